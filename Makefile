@@ -1,0 +1,38 @@
+# The two commands: `make train` (the main job on the CPU fallback) and `make test` (the suite).
+# Each sets itself up on a new machine: a venv in .venv, the package and its test extra, and,
+# for the Slurm tests, Debian's slurm-wlm when this machine can install it (root + apt).
+
+PYTHON  ?= python3
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed-stamp
+CPU_DEVICES ?= 8
+export JAX_PLATFORMS ?= cpu
+
+.PHONY: train test lint bench system-deps clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check -U pip
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
+	touch $(STAMP)
+
+system-deps:
+	bash launch/local/install-system-deps.sh
+
+lint: $(STAMP)
+	$(PY) -m ruff check trn_accum tests benchmarks
+	$(PY) -m ruff format --check trn_accum tests benchmarks
+
+test: $(STAMP) system-deps lint
+	$(PY) -m pytest -q -n 2 --dist loadgroup
+
+train: $(STAMP)
+	XLA_FLAGS="--xla_force_host_platform_device_count=$(CPU_DEVICES)" \
+	  $(VENV)/bin/trn-accum train --config configs/fuji-tiny.toml --run-dir runs/fuji-tiny
+
+bench: $(STAMP)
+	XLA_FLAGS="--xla_force_host_platform_device_count=8" $(PY) benchmarks/accumulation.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

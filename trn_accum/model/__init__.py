@@ -1,0 +1,1 @@
+"""Models. `fuji` is the LLaMA-style Fuji decoder family (AXLearn), in plain JAX."""
