@@ -1,19 +1,51 @@
 """Causal grouped-query attention kernels.
 
 Shapes: q [B, S, H, Dh]; k, v [B, S, KV, Dh] with H % KV == 0 (query heads h*G ... h*G+G-1
-share KV head h, G = H // KV). Output [B, S, H, Dh] in q's dtype. Softmax in float32.
-`kv_mask` (optional, bool [B, S]): False marks a padded key position that no query may attend to.
+share KV head h, G = H // KV). Output [B, S, H, Dh] in q's dtype. Softmax in float32, scale
+Dh**-0.5. `kv_mask` (optional, bool [B, S]): False marks a padded key position that no query may
+attend to.
+
+Implementations (`attention(..., impl=...)`):
+
+- "plain": materialises the [B, KV, G, S, S] float32 scores. The reference.
+- "blockwise": pure JAX flash attention. Queries and keys in blocks of `block_size`, an online
+  softmax in float32, one `lax.scan` over the n(n+1)/2 causal (query block, key block) pairs
+  (static trip count; blocks above the diagonal are never computed). Its custom VJP saves only
+  q, k, v, the output and the float32 log-sum-exp and recomputes each block's scores in the
+  backward pass, so neither direction holds an [S, S] buffer: memory grows with S * block.
+  GQA without repeating K/V heads. Any S (padded internally to a multiple of the block, masked).
+- "neuron_flash": the Neuron SDK NKI flash-attention kernels (`flash_fwd`/`flash_attn_bwd` from
+  `neuronxcc.nki.kernels.attention`) in a custom VJP; the layout adaptation is
+  `nki_flash_attention`, which takes the kernels as arguments (unit-tested on CPU with pure-JAX
+  stand-ins). No `kv_mask` (the kernels take none); causal masking alone already hides
+  right-padding from every real token.
+
+A query that sees no key at all (every causally visible key masked by `kv_mask`) has no defined
+output: "plain" returns the mean of all values, "blockwise" returns zeros (and zero gradients).
+Mask the loss of such positions.
 """
 
 from __future__ import annotations
 
+import functools
+import math
+
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 # Finite, so that a query with no visible key yields a uniform (not NaN) row.
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
-IMPLS = ("plain",)
+IMPLS = ("plain", "blockwise", "neuron_flash")
+
+NEURON_EXTRA_HINT = (
+    "install the [neuron] extra (pip install 'trn_accum[neuron]' with "
+    "--extra-index-url https://pip.repos.neuron.amazonaws.com) or use attention='blockwise'"
+)
 
 
 def plain_attention(q, k, v, kv_mask=None):
@@ -33,12 +65,346 @@ def plain_attention(q, k, v, kv_mask=None):
     return out.reshape(b, s, h, dh).astype(q.dtype)
 
 
-def attention(q, k, v, *, impl: str = "plain", block_size: int = 512, kv_mask=None):
-    """Causal GQA attention with the implementation named by `impl` (see module docstring)."""
+# ----------------------------------------------------------------------------------------------
+# blockwise (pure JAX flash attention)
+# ----------------------------------------------------------------------------------------------
+
+
+def _causal_pairs(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """(query block, key block) pairs with key <= query, row-major: (0,0), (1,0), (1,1), ..."""
+    rows, cols = np.tril_indices(n)
+    return rows.astype(np.int32), cols.astype(np.int32)
+
+
+def _block_visible(i, j, valid, block):
+    """bool [B, 1, 1, bq, bk]: key j*block+t visible to query i*block+r (causal and valid)."""
+    r = lax.broadcasted_iota(jnp.int32, (block, block), 0) + i * block
+    t = lax.broadcasted_iota(jnp.int32, (block, block), 1) + j * block
+    return (t <= r)[None, None, None] & valid[:, None, None, None, :]
+
+
+def _block_scores(qb, kb, scale):
+    """qb [B, bq, KV, G, Dh], kb [B, bk, KV, Dh] -> float32 scores [B, KV, G, bq, bk]."""
+    return jnp.einsum("bqkgd,btkd->bkgqt", qb, kb, preferred_element_type=jnp.float32) * scale
+
+
+def _flash_forward(q, k, v, key_valid, block):
+    """Forward pass on padded inputs; returns o [B, KV, G, Sp, Dh] (q.dtype), lse [B, KV, G, Sp]."""
+    b, sp, kvh, g, dh = q.shape
+    scale = dh**-0.5
+    rows, cols = _causal_pairs(sp // block)
+    f32 = jnp.float32
+
+    def step(carry, ij):
+        m, l, acc, o_buf, lse_buf = carry
+        i, j = ij
+        fresh = j == 0  # first key block of a new query row: reset the running statistics
+        m = jnp.where(fresh, _MASK_VALUE, m)
+        l = jnp.where(fresh, 0.0, l)
+        acc = jnp.where(fresh, 0.0, acc)
+        qb = lax.dynamic_slice_in_dim(q, i * block, block, axis=1)
+        kb = lax.dynamic_slice_in_dim(k, j * block, block, axis=1)
+        vb = lax.dynamic_slice_in_dim(v, j * block, block, axis=1)
+        valid = lax.dynamic_slice_in_dim(key_valid, j * block, block, axis=1)
+        vis = _block_visible(i, j, valid, block)
+        s = jnp.where(vis, _block_scores(qb, kb, scale), _MASK_VALUE)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        p = jnp.where(vis, jnp.exp(s - m_new[..., None]), 0.0)
+        alpha = jnp.exp(m - m_new)
+        l = alpha * l + p.sum(axis=-1)
+        pv = jnp.einsum("bkgqt,btkd->bkgqd", p.astype(v.dtype), vb, preferred_element_type=f32)
+        acc = alpha[..., None] * acc + pv
+        # Write this row's current result; the row's last pair (j == i) writes the final one.
+        l_safe = jnp.where(l > 0.0, l, 1.0)
+        o_blk = (acc / l_safe[..., None]).astype(o_buf.dtype)
+        o_buf = lax.dynamic_update_slice_in_dim(o_buf, o_blk, i * block, axis=3)
+        lse_buf = lax.dynamic_update_slice_in_dim(lse_buf, m_new + jnp.log(l_safe), i * block, 3)
+        return (m_new, l, acc, o_buf, lse_buf), None
+
+    init = (
+        jnp.full((b, kvh, g, block), _MASK_VALUE, f32),
+        jnp.zeros((b, kvh, g, block), f32),
+        jnp.zeros((b, kvh, g, block, dh), f32),
+        jnp.zeros((b, kvh, g, sp, dh), q.dtype),
+        jnp.zeros((b, kvh, g, sp), f32),
+    )
+    (_, _, _, o, lse), _ = lax.scan(step, init, (jnp.asarray(rows), jnp.asarray(cols)))
+    return o, lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _flash(q, k, v, key_valid, block):
+    """q [B, Sp, KV, G, Dh], k/v [B, Sp, KV, Dh], key_valid bool [B, Sp]; Sp % block == 0."""
+    o, _ = _flash_forward(q, k, v, key_valid, block)
+    return o.transpose(0, 3, 1, 2, 4)
+
+
+def _flash_fwd_rule(q, k, v, key_valid, block):
+    o, lse = _flash_forward(q, k, v, key_valid, block)
+    return o.transpose(0, 3, 1, 2, 4), (q, k, v, key_valid, o, lse)
+
+
+def _flash_bwd_rule(block, res, d_out):
+    """Recompute each block's probabilities from lse; accumulate dq, dk, dv in float32."""
+    q, k, v, key_valid, o, lse = res
+    b, sp, kvh, g, dh = q.shape
+    scale = dh**-0.5
+    f32 = jnp.float32
+    do = d_out.astype(o.dtype).transpose(0, 2, 3, 1, 4)  # [B, KV, G, Sp, Dh]
+    delta = jnp.sum(do.astype(f32) * o.astype(f32), axis=-1)  # [B, KV, G, Sp]
+    rows, cols = _causal_pairs(sp // block)
+
+    def step(carry, ij):
+        dq, dk, dv = carry
+        i, j = ij
+        qb = lax.dynamic_slice_in_dim(q, i * block, block, axis=1)
+        kb = lax.dynamic_slice_in_dim(k, j * block, block, axis=1)
+        vb = lax.dynamic_slice_in_dim(v, j * block, block, axis=1)
+        valid = lax.dynamic_slice_in_dim(key_valid, j * block, block, axis=1)
+        dob = lax.dynamic_slice_in_dim(do, i * block, block, axis=3)
+        lse_b = lax.dynamic_slice_in_dim(lse, i * block, block, axis=3)
+        delta_b = lax.dynamic_slice_in_dim(delta, i * block, block, axis=3)
+        vis = _block_visible(i, j, valid, block)
+        s = jnp.where(vis, _block_scores(qb, kb, scale), _MASK_VALUE)
+        p = jnp.where(vis, jnp.exp(s - lse_b[..., None]), 0.0)  # [B, KV, G, bq, bk]
+        dv_j = jnp.einsum("bkgqt,bkgqd->btkd", p.astype(do.dtype), dob, preferred_element_type=f32)
+        dp = jnp.einsum("bkgqd,btkd->bkgqt", dob, vb, preferred_element_type=f32)
+        ds = p * (dp - delta_b[..., None])
+        dq_i = jnp.einsum("bkgqt,btkd->bqkgd", ds.astype(k.dtype), kb, preferred_element_type=f32)
+        dk_j = jnp.einsum("bkgqt,bqkgd->btkd", ds.astype(q.dtype), qb, preferred_element_type=f32)
+
+        def add(buf, upd, start):
+            cur = lax.dynamic_slice_in_dim(buf, start, block, axis=1)
+            return lax.dynamic_update_slice_in_dim(buf, cur + upd, start, axis=1)
+
+        dq = add(dq, dq_i * scale, i * block)
+        dk = add(dk, dk_j * scale, j * block)
+        dv = add(dv, dv_j, j * block)
+        return (dq, dk, dv), None
+
+    init = (jnp.zeros(q.shape, f32), jnp.zeros(k.shape, f32), jnp.zeros(v.shape, f32))
+    (dq, dk, dv), _ = lax.scan(step, init, (jnp.asarray(rows), jnp.asarray(cols)))
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+
+
+_flash.defvjp(_flash_fwd_rule, _flash_bwd_rule)
+
+
+def blockwise_attention(q, k, v, kv_mask=None, *, block_size: int = 512):
+    """Flash attention in pure JAX (see module docstring). Same contract as `plain_attention`.
+
+    `block_size` (query and key block, tokens) is clamped to S; S need not be a multiple of it.
+    Temporary memory per step: float32 [B, H, block, block] scores (plus their gradient terms).
+    """
+    if block_size < 1:
+        raise ValueError(f"attention: block_size={block_size} must be >= 1 (e.g. 512)")
+    b, s, h, dh = q.shape
+    kvh = k.shape[2]
+    block = min(block_size, s)
+    sp = -(-s // block) * block
+    key_valid = jnp.broadcast_to(jnp.arange(sp) < s, (b, sp))
+    if kv_mask is not None:
+        key_valid = key_valid & jnp.pad(kv_mask.astype(bool), ((0, 0), (0, sp - s)))
+    pad = ((0, 0), (0, sp - s), (0, 0), (0, 0))
+    qp, kp, vp = jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad)
+    out = _flash(qp.reshape(b, sp, kvh, h // kvh, dh), kp, vp, key_valid, block)
+    return out.reshape(b, sp, h, dh)[:, :s]
+
+
+# ----------------------------------------------------------------------------------------------
+# neuron_flash (NKI kernels)
+# ----------------------------------------------------------------------------------------------
+
+
+def load_nki_flash_kernels():
+    """The NKI kernels as keyword arguments of `nki_flash_attention`, or a one-line ValueError.
+
+    {"flash_fwd": ..., "flash_attn_bwd": ...}: `nki.jit` kernels launched with an SPMD grid,
+    `kernel[grid](*args, **kwargs)`. Caveat (Neuron release notes): the legacy `neuronxcc.nki`
+    namespace these kernels are written in is rejected by the NKI compiler from SDK 2.28 and
+    removed from neuronx-cc in 2.34; kernels with the same signatures from the `nki` namespace
+    can be passed to `nki_flash_attention` directly.
+    """
+    try:
+        from neuronxcc.nki.kernels.attention import flash_attn_bwd, flash_fwd
+    except Exception as err:  # ImportError, or the PyPI placeholder packages raising on import
+        raise ValueError(
+            "attention='neuron_flash' needs the Neuron NKI kernels "
+            f"(neuronxcc.nki.kernels.attention does not import here: {type(err).__name__}): "
+            + NEURON_EXTRA_HINT
+        ) from None
+    return {"flash_fwd": flash_fwd, "flash_attn_bwd": flash_attn_bwd}
+
+
+def nki_flash_attention(
+    q,
+    k,
+    v,
+    *,
+    flash_fwd,
+    flash_attn_bwd,
+    config=None,
+    softmax_scale: float | None = None,
+    mixed_precision: bool = True,
+):
+    """Causal GQA attention through the NKI flash kernels: all the layout adaptation is here.
+
+    q [B, S, H, Dh], k/v [B, S, KV, Dh] (one device's shard) -> [B, S, H, Dh]. The kernels are
+    passed in (`load_nki_flash_kernels()` on Neuron; pure-JAX stand-ins in the CPU tests) and
+    are launched as `kernel[grid](...)` with these documented layouts:
+
+    - `flash_fwd[B, KV](q, k, v, seed, softmax_scale=, use_causal_mask=, mixed_precision=,
+      dropout_p=)`: q (B, H, Dh, S), k (B, KV, Dh, S), v (B, KV, S, Dh) (FlashConfig default
+      should_transpose_v=False); grid over KV heads for GQA (the kernel loops over the H // KV
+      query heads of each KV head). Returns o (B, H, S, Dh) and, with the default
+      FlashConfig(training=True), lse float32 (B, H, 128, S // 128) with lse[b, h, p, i] the
+      log-sum-exp of query i*128 + p. S must be a multiple of `config.seq_tile_size` (a
+      FlashConfig; None = the kernel's default, 2048): S is padded on the right to it, which
+      causal masking hides from every real query.
+    - `flash_attn_bwd[B, H](q, k, v, o, dy, lse, seed, use_causal_mask=, mixed_precision=,
+      dropout_p=, softmax_scale=)`: q, k, v, o, dy all (B, H, Dh, S) (no GQA: K/V repeated to H
+      heads here, dk/dv summed back over each group), lse as returned by flash_fwd; returns
+      dq, dk, dv (B, H, Dh, S).
+
+    All kernel IO shares q's dtype; Dh <= 128; dropout 0 (seed (1,) int32 is then unused).
+    Sources: the Neuron docs pages nki.kernels.flash_fwd / nki.kernels.flash_attn_bwd and the
+    kernels' source (aws-neuron/nki-samples, src/nki_samples/reference/attention.py).
+    """
+    b, s, h, dh = q.shape
+    kvh = k.shape[2]
+    g = h // kvh
+    if dh > 128:
+        raise ValueError(f"attention='neuron_flash': head_dim {dh} > 128 (kernel limit)")
+    seq_tile = 2048 if config is None else int(config.seq_tile_size)
+    if config is not None and not getattr(config, "training", True):
+        raise ValueError("attention='neuron_flash': FlashConfig(training=False) returns no lse")
+    scale = dh**-0.5 if softmax_scale is None else float(softmax_scale)
+    sp = -(-s // seq_tile) * seq_tile
+    seed = jnp.ones((1,), jnp.int32)
+    fwd_kwargs = dict(
+        softmax_scale=scale,
+        use_causal_mask=True,
+        mixed_precision=mixed_precision,
+        dropout_p=0.0,
+        config=config,
+    )
+
+    def forward(qp, kp, vp):
+        qt = qp.transpose(0, 2, 3, 1)  # (B, H, Dh, Sp)
+        kt = kp.astype(qp.dtype).transpose(0, 2, 3, 1)  # (B, KV, Dh, Sp)
+        vt = vp.astype(qp.dtype).transpose(0, 2, 1, 3)  # (B, KV, Sp, Dh)
+        o, lse = flash_fwd[b, kvh](qt, kt, vt, seed, **fwd_kwargs)  # (B,H,Sp,Dh), (B,H,128,Sp/128)
+        return o, lse
+
+    @jax.custom_vjp
+    def run(qp, kp, vp):
+        return forward(qp, kp, vp)[0].transpose(0, 2, 1, 3)
+
+    def run_fwd(qp, kp, vp):
+        o, lse = forward(qp, kp, vp)
+        return o.transpose(0, 2, 1, 3), (qp, kp, vp, o, lse)
+
+    def run_bwd(res, d_out):
+        qp, kp, vp, o, lse = res
+        dt = qp.dtype
+        qt = qp.transpose(0, 2, 3, 1)  # (B, H, Dh, Sp)
+        kt = jnp.repeat(kp.astype(dt), g, axis=2).transpose(0, 2, 3, 1)  # (B, H, Dh, Sp)
+        vt = jnp.repeat(vp.astype(dt), g, axis=2).transpose(0, 2, 3, 1)  # (B, H, Dh, Sp)
+        ot = o.transpose(0, 1, 3, 2)  # (B, H, Dh, Sp)
+        dyt = d_out.astype(dt).transpose(0, 2, 3, 1)  # (B, H, Dh, Sp)
+        dq, dk, dv = flash_attn_bwd[b, h](
+            qt,
+            kt,
+            vt,
+            ot,
+            dyt,
+            lse,
+            seed,
+            use_causal_mask=True,
+            mixed_precision=mixed_precision,
+            dropout_p=0.0,
+            softmax_scale=scale,
+        )
+
+        def to_kv(x, dtype):  # (B, H, Dh, Sp) -> sum over each group -> (B, Sp, KV, Dh)
+            x = x.astype(jnp.float32).reshape(b, kvh, g, dh, sp).sum(axis=2)
+            return x.transpose(0, 3, 1, 2).astype(dtype)
+
+        return dq.transpose(0, 3, 1, 2).astype(dt), to_kv(dk, kp.dtype), to_kv(dv, vp.dtype)
+
+    run.defvjp(run_fwd, run_bwd)
+    pad = ((0, 0), (0, sp - s), (0, 0), (0, 0))
+    out = run(jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad))
+    return out[:, :s].astype(q.dtype)
+
+
+def shard_attention(fn, q, k, v, mesh):
+    """Run `fn(q, k, v)` per device under `jax.shard_map`: batch over the mesh's "data"/"fsdp"
+    axes, heads over "model", sequence whole (a custom kernel cannot be partitioned by XLA).
+
+    q [B, S, H, Dh], k/v [B, S, KV, Dh]; `mesh` a Mesh or AbstractMesh (axes already manual,
+    e.g. inside an outer shard_map, are left alone).
+    """
+    manual = set(getattr(mesh, "manual_axes", ()))
+    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+    if sizes.get("seq", 1) > 1 and "seq" not in manual:
+        raise ValueError(
+            f"attention='neuron_flash': the sequence is sharded over 'seq' ({sizes['seq']}); "
+            "the kernel needs whole sequences: use attention='blockwise' or seq=1"
+        )
+    batch = tuple(a for a in ("data", "fsdp") if sizes.get(a, 1) > 1 and a not in manual)
+    head = "model" if sizes.get("model", 1) > 1 and "model" not in manual else None
+    n_batch = math.prod(sizes[a] for a in batch)
+    n_head = sizes[head] if head else 1
+    if q.shape[0] % n_batch or k.shape[2] % n_head:
+        raise ValueError(
+            f"attention='neuron_flash': batch {q.shape[0]} must divide by {n_batch} "
+            f"({'x'.join(batch)}) and KV heads {k.shape[2]} by {n_head} ('model')"
+        )
+    if not batch and head is None:
+        return fn(q, k, v)
+    spec = P(batch or None, None, head, None)
+    if set(getattr(mesh, "explicit_axes", ())) & {*batch, head}:
+        # Explicit-sharding axes: shard_map does not reshard its inputs itself.
+        target = NamedSharding(mesh, spec) if isinstance(mesh, Mesh) else spec
+        q, k, v = (jax.reshard(x, target) for x in (q, k, v))
+    mapped = jax.shard_map(
+        fn, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec, check_vma=False
+    )
+    return mapped(q, k, v)
+
+
+# ----------------------------------------------------------------------------------------------
+# dispatch
+# ----------------------------------------------------------------------------------------------
+
+
+def attention(q, k, v, *, impl: str = "plain", block_size: int = 512, kv_mask=None, mesh=None):
+    """Causal GQA attention with the implementation named by `impl` (see module docstring).
+
+    `mesh` (neuron_flash only): run the kernel per device over this mesh (default: the ambient
+    mesh from `jax.set_mesh`, if any; none = call the kernel on the whole arrays).
+    """
     if q.shape[2] % k.shape[2]:
         raise ValueError(
             f"attention: {q.shape[2]} query heads are not a multiple of {k.shape[2]} KV heads"
         )
+    if kv_mask is not None and kv_mask.shape != q.shape[:2]:
+        raise ValueError(f"attention: kv_mask shape {kv_mask.shape} != [B, S] {q.shape[:2]}")
     if impl == "plain":
         return plain_attention(q, k, v, kv_mask)
+    if impl == "blockwise":
+        return blockwise_attention(q, k, v, kv_mask, block_size=block_size)
+    if impl == "neuron_flash":
+        if kv_mask is not None:
+            raise ValueError(
+                "attention='neuron_flash' takes no kv_mask (the NKI kernel has no key mask; "
+                "causal masking already hides right-padding): pass kv_mask=None or use "
+                "attention='blockwise'"
+            )
+        fn = functools.partial(nki_flash_attention, **load_nki_flash_kernels())
+        mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+        if mesh is None or mesh.empty:
+            return fn(q, k, v)
+        return shard_attention(fn, q, k, v, mesh)
     raise ValueError(f"attention: impl={impl!r} is not one of {IMPLS}")

@@ -1,0 +1,173 @@
+"""Run N JAX processes on localhost, joined by `jax.distributed`, for the tests.
+
+    results = run_processes(CODE, 2, devices_per_process=4)   # CODE: python source
+    assert all(r.returncode == 0 for r in results)
+
+Each process is `python -c CODE` (or `python ARGV...`) with the CPU platform, its own emulated
+device count (the suite's 8 are replaced), and the explicit launch variables that
+`trn_accum.distributed.initialize()` reads: TRN_ACCUM_COORDINATOR=127.0.0.1:<free port>,
+TRN_ACCUM_NUM_PROCESSES=N, TRN_ACCUM_PROCESS_ID=i (Slurm and Kubernetes variables removed).
+If any process fails, the others are killed (by PID) and `ProcessesFailed` shows every output;
+on timeout all are killed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cpu_env(devices: int, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """os.environ for a CPU JAX process with `devices` emulated devices, no launcher vars."""
+    drop = ("SLURM_", "JOB_COMPLETION_INDEX", "TRN_ACCUM_", "NEURON_PJRT_", "JAX_COORDINATOR")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+    flags = [
+        f
+        for f in env.get("XLA_FLAGS", "").split()
+        if not f.startswith("--xla_force_host_platform_device_count")
+    ]
+    env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"])
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra or {})
+    return env
+
+
+@dataclasses.dataclass
+class ProcResult:
+    rank: int
+    returncode: int | None
+    stdout: str
+    stderr: str
+
+    def tagged(self, tag: str) -> str:
+        """The rest of the last stdout line starting with `tag` (C++ libraries such as gloo
+        write to the same stdout, so results are printed with a tag)."""
+        lines = [ln for ln in self.stdout.splitlines() if ln.startswith(tag)]
+        if not lines:
+            raise AssertionError(f"rank {self.rank}: no {tag!r} line in stdout:\n{self.stdout}")
+        return lines[-1][len(tag) :].strip()
+
+
+class ProcessesFailed(AssertionError):
+    def __init__(self, why: str, results: Sequence[ProcResult]):
+        parts = [why]
+        for r in results:
+            parts.append(
+                f"--- rank {r.rank} exit {r.returncode}\nstdout:\n{r.stdout[-3000:]}\n"
+                f"stderr:\n{r.stderr[-3000:]}"
+            )
+        super().__init__("\n".join(parts))
+        self.results = list(results)
+
+
+def _kill(p: subprocess.Popen) -> None:
+    if p.poll() is None:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)  # its own session: the group id is its PID
+        except ProcessLookupError:
+            pass
+        p.wait()
+
+
+def run_processes(
+    code: str | Sequence[str],
+    n: int,
+    *,
+    devices_per_process: int = 4,
+    env: Mapping[str, str] | None = None,
+    per_rank_env: Sequence[Mapping[str, str]] | None = None,
+    timeout: float = 120.0,
+    grace: float = 10.0,
+    check: bool = True,
+    cwd: str | os.PathLike | None = None,
+) -> list[ProcResult]:
+    """Start `n` processes, wait for all, return their results (rank order).
+
+    code: python source (run with -c) or an argv after the interpreter (e.g. ["-m", "x"]).
+    env / per_rank_env: extra variables for all / for rank i.
+    check: raise ProcessesFailed if any exits non-zero (the rest are killed `grace` seconds
+      after the first failure) or on timeout.
+    """
+    argv = [sys.executable, "-c", code] if isinstance(code, str) else [sys.executable, *code]
+    port = free_port()
+    procs, files = [], []
+    with tempfile.TemporaryDirectory(prefix="trn-accum-mp-") as tmp:
+        try:
+            for i in range(n):
+                e = cpu_env(
+                    devices_per_process,
+                    {
+                        "TRN_ACCUM_COORDINATOR": f"127.0.0.1:{port}",
+                        "TRN_ACCUM_NUM_PROCESSES": str(n),
+                        "TRN_ACCUM_PROCESS_ID": str(i),
+                        **(env or {}),
+                        **(per_rank_env[i] if per_rank_env else {}),
+                    },
+                )
+                out = open(Path(tmp) / f"{i}.out", "w+b")  # noqa: SIM115 (closed below)
+                err = open(Path(tmp) / f"{i}.err", "w+b")  # noqa: SIM115
+                files.append((out, err))
+                procs.append(
+                    subprocess.Popen(
+                        argv,
+                        env=e,
+                        cwd=cwd or REPO,
+                        stdout=out,
+                        stderr=err,
+                        start_new_session=True,
+                    )
+                )
+            deadline = time.monotonic() + timeout
+            first_failure: float | None = None
+            why = ""
+            while any(p.poll() is None for p in procs):
+                now = time.monotonic()
+                if now > deadline:
+                    why = f"timeout after {timeout:.0f} s"
+                    break
+                failed = [i for i, p in enumerate(procs) if p.poll() not in (None, 0)]
+                if failed and first_failure is None:
+                    first_failure = now
+                    why = f"rank {failed[0]} exited {procs[failed[0]].returncode}"
+                if first_failure is not None and now - first_failure > grace:
+                    break
+                time.sleep(0.05)
+        finally:
+            for p in procs:
+                _kill(p)
+        results = []
+        for i, (p, (out, err)) in enumerate(zip(procs, files, strict=True)):
+            out.seek(0)
+            err.seek(0)
+            results.append(
+                ProcResult(
+                    i,
+                    p.returncode,
+                    out.read().decode(errors="replace"),
+                    err.read().decode(errors="replace"),
+                )
+            )
+            out.close()
+            err.close()
+    if check and (why or any(r.returncode != 0 for r in results)):
+        raise ProcessesFailed(why or "a process failed", results)
+    return results

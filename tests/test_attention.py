@@ -1,0 +1,319 @@
+"""Attention implementations: blockwise and the NKI-kernel adapter against the plain reference."""
+
+import functools
+import re
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from trn_accum.accumulation import accumulate_gradients
+from trn_accum.model import attention as attn
+from trn_accum.model.attention import attention, blockwise_attention, nki_flash_attention
+from trn_accum.model.xent import cross_entropy
+from trn_accum.sharding import build_mesh
+
+B, S, H, KV, DH = 2, 24, 4, 2, 16
+# float32, rtol 1e-5; plus an absolute 1e-5 of the array's largest entry, for entries that are
+# zero in exact arithmetic (e.g. dq of the first query, whose softmax is constant) and so differ
+# by rounding noise only.
+RTOL = 1e-5
+
+
+def _inputs(b=B, s=S, h=H, kv=KV, dh=DH, seed=0):
+    ks = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(ks[0], (b, s, h, dh), jnp.float32)
+    k = jax.random.normal(ks[1], (b, s, kv, dh), jnp.float32)
+    v = jax.random.normal(ks[2], (b, s, kv, dh), jnp.float32)
+    ct = jax.random.normal(ks[3], (b, s, h, dh), jnp.float32)
+    return q, k, v, ct
+
+
+def _kv_mask(b, s):
+    """Padding mask with holes and right padding; key 0 always valid (no query sees nothing)."""
+    m = np.ones((b, s), bool)
+    m[0, [3, 10, 11]] = False
+    m[-1, s - 5 :] = False
+    return jnp.asarray(m)
+
+
+def _out_and_grads(fn, q, k, v, ct):
+    """(output, (dq, dk, dv)) of sum(fn(q, k, v) * ct), jitted."""
+
+    def loss(q, k, v):
+        out = fn(q, k, v)
+        return jnp.sum(out * ct), out
+
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+    return out, grads
+
+
+def _assert_close(got, want):
+    out_g, grads_g = got
+    out_w, grads_w = want
+    names = ["out", "dq", "dk", "dv"]
+    for name, a, b in zip(names, [out_g, *grads_g], [out_w, *grads_w], strict=True):
+        atol = RTOL * float(jnp.max(jnp.abs(b)))
+        np.testing.assert_allclose(a, b, rtol=RTOL, atol=atol, err_msg=name)
+
+
+@pytest.fixture(scope="module")
+def masked_reference():
+    q, k, v, ct = _inputs()
+    mask = _kv_mask(B, S)
+    want = _out_and_grads(lambda q, k, v: attention(q, k, v, kv_mask=mask), q, k, v, ct)
+    return (q, k, v, ct, mask), want
+
+
+@pytest.mark.parametrize("block", [8, 7, 64], ids=["divides", "ragged", "larger-than-S"])
+def test_blockwise_equals_plain_gqa_with_padding_mask(masked_reference, block):
+    (q, k, v, ct, mask), want = masked_reference
+    fn = functools.partial(attention, impl="blockwise", block_size=block, kv_mask=mask)
+    _assert_close(_out_and_grads(fn, q, k, v, ct), want)
+
+
+def test_blockwise_equals_plain_mha_no_mask():
+    q, k, v, ct = _inputs(h=2, kv=2, s=20, seed=1)
+    want = _out_and_grads(attention, q, k, v, ct)
+    got = _out_and_grads(functools.partial(blockwise_attention, block_size=6), q, k, v, ct)
+    _assert_close(got, want)
+
+
+def test_blockwise_bfloat16_close_to_plain():
+    q, k, v, _ = (x.astype(jnp.bfloat16) for x in _inputs(seed=2))
+    got = jax.jit(functools.partial(blockwise_attention, block_size=8))(q, k, v)
+    assert got.dtype == jnp.bfloat16
+    want = attention(q, k, v)
+    np.testing.assert_allclose(got.astype(jnp.float32), want.astype(jnp.float32), atol=3e-2)
+
+
+def test_blockwise_program_has_no_score_matrix_and_static_loops():
+    """Forward + backward at S=1024: no [.., S, S] buffer, far less temp memory, static loops."""
+    s = 1024
+    spec = jax.ShapeDtypeStruct((1, s, 4, 32), jnp.float32)
+    kv_spec = jax.ShapeDtypeStruct((1, s, 2, 32), jnp.float32)
+
+    def fwd_bwd(impl):
+        def f(q, k, v, ct):
+            _, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, impl=impl, block_size=128), q, k, v)
+            return vjp(ct)
+
+        return jax.jit(f).lower(spec, kv_spec, kv_spec, spec).compile()
+
+    plain, blockwise = fwd_bwd("plain"), fwd_bwd("blockwise")
+    hlo = blockwise.as_text()
+    assert f"{s},{s}" in plain.as_text()  # the check below can see a score matrix
+    assert f"{s},{s}" not in hlo
+    plain_temp = plain.memory_analysis().temp_size_in_bytes
+    block_temp = blockwise.memory_analysis().temp_size_in_bytes
+    assert block_temp * 8 < plain_temp, (block_temp, plain_temp)
+    assert "conditional" not in hlo
+    whiles = [line for line in hlo.splitlines() if re.search(r"\swhile\(", line)]
+    assert len(whiles) == 2  # one forward scan, one backward scan
+    n_pairs = (s // 128) * (s // 128 + 1) // 2  # causal block pairs only
+    for line in whiles:
+        assert f'"known_trip_count":{{"n":"{n_pairs}"}}' in line, line
+
+
+def _toy_loss(params, batch, *, impl, chunk):
+    """Token-weighted mean cross-entropy of one attention layer + the tied LM head."""
+    x = batch["x"]
+    b, s, _ = x.shape
+    q = (x @ params["wq"]).reshape(b, s, H, DH)
+    k = (x @ params["wk"]).reshape(b, s, KV, DH)
+    v = (x @ params["wv"]).reshape(b, s, KV, DH)
+    ctx = attention(q, k, v, impl=impl, block_size=8).reshape(b, s, H * DH)
+    per_token = cross_entropy(ctx @ params["wo"], params["embed"], batch["labels"], chunk=chunk)
+    return jnp.sum(per_token * batch["mask"]) / jnp.sum(batch["mask"])
+
+
+def test_blockwise_and_chunked_loss_inside_accumulation_wrapper():
+    """accumulate_gradients over 2 minibatches on a data x fsdp x model mesh, blockwise attention
+    and chunked loss == full-batch value_and_grad with plain attention and unchunked loss."""
+    d, vocab, b, s = 16, 32, 8, 12
+    ks = jax.random.split(jax.random.key(5), 7)
+    params = {
+        "wq": jax.random.normal(ks[0], (d, H * DH)) / 4,
+        "wk": jax.random.normal(ks[1], (d, KV * DH)) / 4,
+        "wv": jax.random.normal(ks[2], (d, KV * DH)) / 4,
+        "wo": jax.random.normal(ks[3], (H * DH, d)) / 8,
+        "embed": jax.random.normal(ks[4], (vocab, d)),
+    }
+    lengths = jnp.array([12, 3, 7, 12, 1, 9, 12, 5])  # uneven right padding
+    batch = {
+        "x": jax.random.normal(ks[5], (b, s, d)),
+        "labels": jax.random.randint(ks[6], (b, s), 0, vocab),
+        "mask": (jnp.arange(s)[None] < lengths[:, None]).astype(jnp.float32),
+    }
+    want_loss, want_grads = jax.jit(
+        jax.value_and_grad(functools.partial(_toy_loss, impl="plain", chunk=None))
+    )(params, batch)
+    grad_fn = accumulate_gradients(
+        functools.partial(_toy_loss, impl="blockwise", chunk=10),
+        steps=2,
+        mesh=build_mesh({"data": 2, "fsdp": 2, "model": 2}),
+        batch_spec=P(("data", "fsdp")),
+        weight_fn=lambda mb: jnp.sum(mb["mask"]),
+    )
+    loss, grads = jax.jit(grad_fn)(params, batch)
+    np.testing.assert_allclose(loss, want_loss, rtol=RTOL)
+    for name in params:
+        atol = RTOL * float(jnp.max(jnp.abs(want_grads[name])))
+        np.testing.assert_allclose(
+            grads[name], want_grads[name], rtol=RTOL, atol=atol, err_msg=name
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# neuron_flash: the layout adapter with pure-JAX stand-ins that follow the kernels' documented
+# signatures and layouts (neuronxcc.nki.kernels.attention flash_fwd / flash_attn_bwd).
+# ----------------------------------------------------------------------------------------------
+
+
+class _GridKernel:
+    """Like an nki.jit kernel: launched as kernel[grid](*args, **kwargs); records the grids."""
+
+    def __init__(self, fn):
+        self.fn, self.grids = fn, []
+
+    def __getitem__(self, grid):
+        self.grids.append(tuple(grid))
+        return functools.partial(self.fn, grid=tuple(grid))
+
+
+def _causal(s):
+    return jnp.tril(jnp.ones((s, s), bool))
+
+
+def _fake_flash_fwd(
+    q,
+    k,
+    v,
+    seed,
+    logit_bias=None,
+    softmax_scale=None,
+    use_causal_mask=True,
+    mixed_precision=True,
+    dropout_p=0.0,
+    config=None,
+    *,
+    grid,
+):
+    """q (b,h,d,s), k (b,kvh,d,s), v (b,kvh,s,d) -> o (b,h,s,d), lse (b,h,128,s/128)."""
+    b, h, d, s = q.shape
+    kvh = k.shape[1]
+    assert grid == (b, kvh), grid  # GQA: launched over KV heads
+    assert k.shape == (b, kvh, d, s) and v.shape == (b, kvh, s, d), (k.shape, v.shape)
+    assert q.dtype == k.dtype == v.dtype and seed.shape == (1,)
+    assert s % (2048 if config is None else config.seq_tile_size) == 0, s
+    assert use_causal_mask and dropout_p == 0.0 and logit_bias is None
+    scale = softmax_scale or d**-0.5
+    kr, vr = jnp.repeat(k, h // kvh, axis=1), jnp.repeat(v, h // kvh, axis=1)
+    scores = jnp.einsum("bhdq,bhdk->bhqk", q, kr) * scale
+    scores = jnp.where(_causal(s), scores, -jnp.inf)
+    lse = jax.nn.logsumexp(scores, axis=-1)  # (b, h, s)
+    o = jnp.einsum("bhqk,bhkd->bhqd", jnp.exp(scores - lse[..., None]), vr).astype(q.dtype)
+    lse_tiles = lse.reshape(b, h, s // 128, 128).transpose(0, 1, 3, 2)  # [.., p, i] = i*128+p
+    return o, lse_tiles
+
+
+def _fake_flash_attn_bwd(
+    q_ref,
+    k_ref,
+    v_ref,
+    o_ref,
+    dy_ref,
+    lse_ref,
+    seed_ref,
+    logit_bias_ref=None,
+    use_causal_mask=False,
+    mixed_precision=False,
+    dropout_p=0.0,
+    softmax_scale=None,
+    *,
+    grid,
+):
+    """All of q, k, v, o, dy (b, h, d, s); returns dq, dk, dv (b, h, d, s). Uses the given lse."""
+    b, h, d, s = q_ref.shape
+    assert grid == (b, h), grid
+    for x in (k_ref, v_ref, o_ref, dy_ref):
+        assert x.shape == (b, h, d, s) and x.dtype == q_ref.dtype, x.shape
+    assert lse_ref.shape == (b, h, 128, s // 128) and seed_ref.shape == (1,)
+    assert use_causal_mask and dropout_p == 0.0 and logit_bias_ref is None
+    scale = softmax_scale or d**-0.5
+    lse = lse_ref.transpose(0, 1, 3, 2).reshape(b, h, s)
+    scores = jnp.einsum("bhdq,bhdk->bhqk", q_ref, k_ref) * scale
+    p = jnp.where(_causal(s), jnp.exp(scores - lse[..., None]), 0.0)
+    delta = jnp.sum(dy_ref * o_ref, axis=2)  # (b, h, s_q)
+    dv = jnp.einsum("bhqk,bhdq->bhdk", p, dy_ref)
+    ds = p * (jnp.einsum("bhdq,bhdk->bhqk", dy_ref, v_ref) - delta[..., None])
+    dq = jnp.einsum("bhqk,bhdk->bhdq", ds, k_ref) * scale
+    dk = jnp.einsum("bhqk,bhdq->bhdk", ds, q_ref) * scale
+    return dq, dk, dv
+
+
+def _stand_ins():
+    return {
+        "flash_fwd": _GridKernel(_fake_flash_fwd),
+        "flash_attn_bwd": _GridKernel(_fake_flash_attn_bwd),
+        "config": SimpleNamespace(seq_tile_size=512, training=True),  # like FlashConfig
+    }
+
+
+def test_nki_adapter_with_stand_ins_equals_blockwise():
+    q, k, v, ct = _inputs(s=40, seed=3)  # 40 is padded to the 512 tile, GQA 4:2
+    kernels = _stand_ins()
+    got = _out_and_grads(functools.partial(nki_flash_attention, **kernels), q, k, v, ct)
+    want = _out_and_grads(functools.partial(blockwise_attention, block_size=16), q, k, v, ct)
+    _assert_close(got, want)
+    assert kernels["flash_fwd"].grids == [(B, KV)]
+    assert kernels["flash_attn_bwd"].grids == [(B, H)]
+
+
+@pytest.fixture(scope="module")
+def sharded_reference():
+    args = _inputs(b=4, s=16, seed=4)
+    return args, _out_and_grads(functools.partial(blockwise_attention, block_size=8), *args)
+
+
+@pytest.mark.parametrize("axis_type", ["Explicit", "Auto"])
+def test_neuron_flash_dispatch_shards_over_mesh(monkeypatch, sharded_reference, axis_type):
+    """attention(impl="neuron_flash", mesh=...) runs the kernels per device: batch over
+    data x fsdp, heads over model; equal to blockwise on the whole arrays."""
+    kernels = _stand_ins()
+    monkeypatch.setattr(attn, "load_nki_flash_kernels", lambda: kernels)
+    axis_types = (getattr(jax.sharding.AxisType, axis_type),) * 3
+    mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "model"), axis_types)
+    (q, k, v, ct), want = sharded_reference
+    fn = functools.partial(attention, impl="neuron_flash", mesh=mesh)
+    _assert_close(_out_and_grads(fn, q, k, v, ct), want)
+    assert kernels["flash_fwd"].grids == [(1, KV // 2)]  # per-device shard: 4/4 rows, 2/2 KV
+    assert kernels["flash_attn_bwd"].grids == [(1, H // 2)]
+
+
+def test_neuron_flash_without_sdk_is_one_line_error():
+    q, k, v, _ = _inputs()
+    try:
+        import neuronxcc.nki.kernels.attention  # noqa: F401
+    except Exception:
+        pass
+    else:  # a Neuron machine: the kernel imports, the error path does not apply
+        return
+    with pytest.raises(ValueError, match=r"\[neuron\].*attention='blockwise'") as err:
+        attention(q, k, v, impl="neuron_flash")
+    assert "\n" not in str(err.value)
+
+
+def test_argument_errors():
+    q, k, v, _ = _inputs()
+    with pytest.raises(ValueError, match="kv_mask"):
+        attention(q, k, v, impl="neuron_flash", kv_mask=jnp.ones((B, S), bool))
+    with pytest.raises(ValueError, match="not one of"):
+        attention(q, k, v, impl="flash")
+    with pytest.raises(ValueError, match="block_size=0"):
+        attention(q, k, v, impl="blockwise", block_size=0)
+    with pytest.raises(ValueError, match="not a multiple"):
+        attention(q, k[:, :, :1].repeat(3, axis=2), v[:, :, :1].repeat(3, axis=2))

@@ -1,0 +1,337 @@
+"""The `trn-accum` CLI in subprocesses: exact resume after SIGTERM, a SIGKILL during a save,
+an external SIGTERM, prepare-data + token training, plot, and a battery of bad inputs (one line
+on stderr, exit 2, no traceback, nothing in the run dir lost)."""
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from trn_accum.metrics import read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs" / "fuji-tiny.toml")
+EXIT_PREEMPTED = 75
+
+
+def _env(devices=8, **extra):
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["JAX_PLATFORMS"] = "cpu"
+    env.pop("TRN_ACCUM_TEST_FAULT", None)
+    env.update(extra)
+    return env
+
+
+def cli(*args, env=None, timeout=300, **kw):
+    return subprocess.run(
+        [sys.executable, "-m", "trn_accum.cli", *map(str, args)],
+        env=env or _env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        **kw,
+    )
+
+
+def train(run_dir, *sets, fault=None):
+    args = ["train", "--config", TINY, "--run-dir", run_dir]
+    for s in sets:
+        args += ["--set", s]
+    env = _env(**({"TRN_ACCUM_TEST_FAULT": fault} if fault else {}))
+    return cli(*args, env=env)
+
+
+def _train_records(run_dir):
+    return {r["step"]: r for r in read_metrics(run_dir) if r["kind"] == "train"}
+
+
+def _final_params(run_dir, step):
+    """The params of checkpoint `step`, as numpy, restored in this (8-device) process."""
+    from trn_accum import train as train_lib
+    from trn_accum.checkpoint import Checkpointer
+    from trn_accum.config import load_config
+
+    cfg = load_config(TINY)
+    mesh = train_lib.make_mesh(cfg)
+    tx, _ = train_lib.make_optimizer(cfg)
+    abstract = train_lib.abstract_state(cfg, tx)
+    shardings = train_lib.named(
+        mesh, train_lib.state_specs(tx, abstract, train_lib.param_specs(cfg, mesh))
+    )
+    with Checkpointer(os.path.join(run_dir, "checkpoints")) as ck:
+        state, _ = ck.restore(train_lib.restore_target(abstract, shardings), step)
+    import jax
+
+    return jax.device_get(state)
+
+
+def _snapshot(path):
+    out = {}
+    for p in sorted(Path(path).rglob("*")):
+        if p.is_file():
+            out[str(p.relative_to(path))] = hashlib.sha256(p.read_bytes()).hexdigest()
+        else:
+            out[str(p.relative_to(path))] = "dir"
+    return out
+
+
+def _assert_user_error(r, *needles):
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
+    assert "Traceback" not in r.stderr and "Traceback" not in r.stdout, r.stderr
+    assert len(lines) == 1 and lines[0].startswith("trn-accum: error: "), r.stderr
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# Preemption and resume
+
+
+@pytest.mark.slow
+def test_resume_is_exact_after_sigterm_and_sigkill_during_save(tmp_path):
+    """A: 20 steps straight. B: checkpoints every 3 steps; killed (SIGKILL) during the save of
+    step 6; restarted: resumes from 3 (the previous checkpoint), SIGTERM after step 10: saves 10,
+    exits 75; restarted: resumes from 10 and ends at 20. Steps 4-20 of B equal A's (loss,
+    gradient norm, learning rate, bit for bit), and so do the final parameters."""
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    common = [
+        "trainer.steps=20",
+        "trainer.eval_every=10",
+        "checkpoint.every=3",
+        "checkpoint.keep=5",
+    ]
+    r = train(a, *common)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+    r = train(b, *common, fault="sigkill_after_save_start=6")
+    assert r.returncode == -signal.SIGKILL, (r.returncode, r.stderr[-3000:])
+    ckdir = Path(b) / "checkpoints"
+    names = sorted(p.name for p in ckdir.iterdir())
+    assert "3" in names and "6" not in names, names  # 6 was being written: not committed
+    assert any(n.startswith("6.orbax-checkpoint-tmp") for n in names), names
+
+    r = train(b, *common, fault="sigterm_after_step=10")
+    assert r.returncode == EXIT_PREEMPTED, (r.returncode, r.stderr[-3000:])
+    assert "resumed from" in r.stdout and "(step 3)" in r.stdout, r.stdout
+    assert "uncommitted" in r.stderr and "6.orbax-checkpoint-tmp" in r.stderr, r.stderr
+    assert "preempted" in r.stdout
+    assert "10" in [p.name for p in ckdir.iterdir()]
+
+    r = train(b, *common)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "(step 10)" in r.stdout
+
+    ra, rb = _train_records(a), _train_records(b)
+    assert sorted(rb) == list(range(1, 21)) == sorted(ra)
+    for s in range(4, 21):
+        for key in ("loss", "grad_norm", "lr", "skipped_steps", "target_tokens"):
+            assert ra[s][key] == rb[s][key], (s, key, ra[s][key], rb[s][key])
+    ea = [r for r in read_metrics(a) if r["kind"] == "eval"]
+    eb = [r for r in read_metrics(b) if r["kind"] == "eval"]
+    assert [e["eval_loss"] for e in ea] == [e["eval_loss"] for e in eb]
+
+    pa, pb = _final_params(a, 20), _final_params(b, 20)
+    import jax
+
+    for x, y in zip(jax.tree.leaves(pa), jax.tree.leaves(pb), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.slow
+def test_external_sigterm_saves_and_exits_75(tmp_path):
+    run = tmp_path / "run"
+    args = ["train", "--config", TINY, "--run-dir", run, "--set", "trainer.steps=100000"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trn_accum.cli", *map(str, args)],
+        env=_env(),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline:
+            if (run / "metrics.jsonl").exists() and len(read_metrics(run)) >= 2:
+                break
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
+    last = max(r["step"] for r in read_metrics(run))
+    assert f"saved {run / 'checkpoints' / str(last)}" in out, out
+    assert (run / "checkpoints" / str(last)).is_dir()
+
+
+# ---------------------------------------------------------------------------------------------
+# Other commands
+
+
+def test_prepare_data_train_on_tokens_and_plot(tmp_path):
+    text = tmp_path / "corpus.txt"
+    text.write_text(("the quick brown fox jumps over the lazy dog. " * 40 + "\n") * 10)
+    out = tmp_path / "tok"
+    r = cli("prepare-data", text, "--out", out)
+    assert r.returncode == 0, r.stderr
+    assert "tokens" in r.stdout and (out / "meta.json").exists()
+    run = tmp_path / "run"
+    r = train(
+        run, "data.kind=tokens", f"data.path={out}", "trainer.steps=3", "trainer.eval_every=3"
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert sorted(_train_records(run)) == [1, 2, 3]
+    r = cli("plot", run, "-o", tmp_path / "m.png")
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "m.png").stat().st_size > 1000
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad inputs
+
+
+@pytest.fixture(scope="module")
+def done_run(tmp_path_factory):
+    """A finished 4-step run with checkpoints at 2 and 4 and its token data."""
+    base = tmp_path_factory.mktemp("done")
+    run = base / "run"
+    r = train(run, "trainer.steps=4", "checkpoint.every=2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    text = base / "t.txt"
+    text.write_text("hello world, " * 200)
+    r = cli("prepare-data", text, "--out", base / "tok")
+    assert r.returncode == 0, r.stderr
+    return base
+
+
+def _bad_cases(base):
+    run = base / "run"
+    tok = base / "tok"
+    trunc = base / "trunc"
+    if not trunc.exists():
+        shutil.copytree(tok, trunc)
+        with open(trunc / "tokens.bin", "r+b") as f:
+            f.truncate(os.path.getsize(trunc / "tokens.bin") - 7)
+    bad_toml = base / "bad.toml"
+    bad_toml.write_text("[model\nvocab_size = 3\n")
+    a_file = base / "a_file"
+    a_file.write_text("x")
+    t = ["train", "--config", TINY, "--run-dir", run]
+    return {
+        "unknown config key": (t + ["--set", "model.vocab=3"], "model.vocab"),
+        "bad --set syntax": (t + ["--set", "trainer.steps"], "section.key=value"),
+        "wrong type": (t + ["--set", "trainer.steps=many"], "trainer.steps"),
+        "heads do not divide": (t + ["--set", "model.num_heads=5"], "model.num_heads"),
+        "batch vs steps x shards": (t + ["--set", "trainer.accum_steps=8"], "accum_steps (8)"),
+        "mesh larger than devices": (
+            t + ["--set", "mesh.data=1", "--set", "mesh.fsdp=16", "--set", "trainer.accum_steps=1"],
+            "16 devices",
+        ),
+        "missing token file": (
+            t + ["--set", "data.kind=tokens", "--set", f"data.path={base / 'nope'}"],
+            "does not exist",
+        ),
+        "truncated token file": (
+            t + ["--set", "data.kind=tokens", "--set", f"data.path={trunc}"],
+            "truncated",
+        ),
+        "data vocab > model vocab": (
+            t
+            + [
+                "--set",
+                "data.kind=tokens",
+                "--set",
+                f"data.path={tok}",
+                "--set",
+                "model.vocab_size=200",
+            ],  # fmt: skip
+            "vocab_size",
+        ),
+        "unwritable run dir": (
+            ["train", "--config", TINY, "--run-dir", a_file / "sub"],
+            "not writable",
+        ),
+        "missing config file": (["train", "--config", base / "none.toml"], "does not exist"),
+        "invalid TOML": (["train", "--config", bad_toml], "not valid TOML"),
+        "bad --profile": (t + ["--profile", "5:2"], "--profile"),
+        "unknown command": (["fly"], "invalid choice"),
+        "missing --config": (["train"], "--config"),
+        "dry-run nodes do not divide batch": (
+            ["dry-run", "--config", TINY, "--devices", "8", "--nodes", "3"],
+            "--nodes 3",
+        ),
+        "plot without metrics": (["plot", base / "tok"], "metrics.jsonl"),
+        "prepare-data missing text": (
+            ["prepare-data", base / "missing.txt", "--out", base / "o"],
+            "does not exist",
+        ),
+    }
+
+
+def test_bad_inputs_one_line_exit_2_nothing_lost(done_run):
+    before = _snapshot(done_run / "run")
+    cases = _bad_cases(done_run)
+    assert len(cases) >= 12
+    # Run them two at a time (each is a short Python process).
+    procs = {}
+    items = list(cases.items())
+    for i in range(0, len(items), 2):
+        for name, (args, _) in items[i : i + 2]:
+            procs[name] = subprocess.Popen(
+                [sys.executable, "-m", "trn_accum.cli", *map(str, args)],
+                env=_env(),
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        for name, _ in items[i : i + 2]:
+            out, err = procs[name].communicate(timeout=300)
+            procs[name] = subprocess.CompletedProcess(args, procs[name].returncode, out, err)
+    for name, (_, needle) in cases.items():
+        r = procs[name]
+        try:
+            _assert_user_error(r, needle)
+        except AssertionError as e:
+            raise AssertionError(f"case {name!r}: {e}") from None
+    assert _snapshot(done_run / "run") == before
+
+
+def test_corrupt_newest_checkpoint_is_one_line_and_kept(done_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(done_run / "run", run)
+    newest = run / "checkpoints" / "4" / "state"
+    victims = [p for p in newest.rglob("*") if p.is_file() and p.stat().st_size > 0]
+    assert victims
+    for p in victims:
+        p.write_bytes(b"\x00garbage" * 3)
+    before = _snapshot(run)
+    r = train(run, "trainer.steps=6", "checkpoint.every=2")
+    _assert_user_error(r, str(run / "checkpoints" / "4"))
+    assert _snapshot(run) == before
+
+
+def test_exit_code_constant_matches_checkpoint_module():
+    from trn_accum import checkpoint, cli
+
+    assert cli.EXIT_PREEMPTED == checkpoint.EXIT_PREEMPTED == EXIT_PREEMPTED
+
+
+def test_metrics_file_is_clean_json_lines(done_run):
+    lines = (done_run / "run" / "metrics.jsonl").read_text().splitlines()
+    recs = [json.loads(ln) for ln in lines]
+    assert [r["step"] for r in recs if r["kind"] == "train"] == [1, 2, 3, 4]

@@ -1,0 +1,144 @@
+"""Trainer: the tiny config trains, accumulation is exact, non-finite steps are skipped, the
+compiled step has no conditional and donates its state, user errors are TrainErrors."""
+
+import json
+import math
+import re
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from trn_accum import hlo, train
+from trn_accum.config import load_config
+from trn_accum.metrics import read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs" / "fuji-tiny.toml")
+F32 = ['model.compute_dtype="float32"']
+
+
+def _losses(trainer, steps):
+    state = trainer.init()
+    out = []
+    for s in range(steps):
+        state, m = trainer.step(state, trainer.batch(s))
+        out.append({k: float(v) for k, v in jax.device_get(m).items()})
+    return state, out
+
+
+@pytest.fixture(scope="module")
+def tiny_k4():
+    return train.Trainer.build(load_config(TINY, F32 + ["trainer.accum_steps=4"]))
+
+
+def test_accum_1_vs_4_same_loss_curve(tiny_k4):
+    """Same global batch, k = 1 vs 4, float32: the same trajectory over 10 steps."""
+    k1 = train.Trainer.build(load_config(TINY, F32 + ["trainer.accum_steps=1"]))
+    state1, m1 = _losses(k1, 10)
+    state4, m4 = _losses(tiny_k4, 10)
+    for a, b in zip(m1, m4, strict=True):
+        for key in ("loss", "grad_norm"):
+            assert abs(a[key] - b[key]) <= 1e-5 * abs(a[key]), (key, a[key], b[key])
+        assert a["lr"] == b["lr"] and a["target_tokens"] == b["target_tokens"]
+    assert m1[-1]["loss"] < m1[0]["loss"] - 0.5  # it really trained
+    flat1 = jax.tree.leaves(jax.device_get(state1["params"]))
+    flat4 = jax.tree.leaves(jax.device_get(state4["params"]))
+    for a, b in zip(flat1, flat4, strict=True):
+        np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6)
+
+
+def test_nonfinite_step_is_skipped_and_counted(tiny_k4):
+    state = tiny_k4.init()
+    bad_params = dict(state["params"], final_norm=state["params"]["final_norm"].at[0].set(jnp.nan))
+    state = dict(state, params=bad_params)
+    before = jax.device_get(state)
+    new, m = tiny_k4.step(state, tiny_k4.batch(0))
+    m, new = jax.device_get(m), jax.device_get(new)
+    assert not math.isfinite(float(m["loss"]))
+    assert int(new["step"]) == 1 and int(new["skipped"]) == 1 and int(m["skipped_steps"]) == 1
+    for a, b in zip(jax.tree.leaves(new["params"]), jax.tree.leaves(before["params"]), strict=True):
+        np.testing.assert_array_equal(a, b)  # NaN == NaN in assert_array_equal
+    for a, b in zip(
+        jax.tree.leaves(new["opt_state"]), jax.tree.leaves(before["opt_state"]), strict=True
+    ):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_compiled_step_no_conditional_donated_and_sharded(tiny_k4):
+    state = train.restore_target(tiny_k4.abstract, tiny_k4.state_shardings)
+    batch = train.abstract_batch(tiny_k4.cfg, tiny_k4.mesh)
+    with jax.set_mesh(tiny_k4.mesh):
+        lowered = tiny_k4.step_fn.lower(state, batch)
+    text = lowered.compile().as_text()
+    module = hlo.parse_hlo(text)
+    assert not module.find("conditional")
+    assert not re.search(r"stablehlo\.case", lowered.as_text())
+    # Every state leaf is donated (aliased to an output).
+    n_state = len(jax.tree.leaves(state))
+    assert text.count("may-alias") + text.count("must-alias") >= n_state
+    # Optimizer moments take the parameters' sharding; counts are replicated.
+    sh = tiny_k4.state_shardings
+    adam = [s for s in sh["opt_state"] if hasattr(s, "mu")][0]
+    assert (
+        adam.mu["embed"].spec
+        == sh["params"]["embed"].spec
+        == jax.sharding.PartitionSpec(None, "fsdp")
+    )
+    assert adam.count.spec == jax.sharding.PartitionSpec()
+
+
+def test_tiny_run_in_process_trains_and_checkpoints(tmp_path):
+    """The loop end to end (checkpoints, eval, metrics.jsonl); 40 steps in-process."""
+    rc = train.run(
+        TINY,
+        overrides=[
+            "trainer.steps=40",
+            "trainer.eval_every=20",
+            "checkpoint.every=20",
+            "checkpoint.keep=2",
+        ],
+        run_dir=str(tmp_path),
+    )
+    assert rc == 0
+    recs = read_metrics(tmp_path)
+    tr = [r for r in recs if r["kind"] == "train"]
+    ev = [r for r in recs if r["kind"] == "eval"]
+    assert [r["step"] for r in tr] == list(range(1, 41))
+    assert [r["step"] for r in ev] == [20, 40]
+    assert tr[-1]["loss"] < 0.6 * tr[0]["loss"], (tr[0]["loss"], tr[-1]["loss"])
+    assert ev[1]["eval_loss"] < ev[0]["eval_loss"]
+    assert tr[0]["lr"] == 0.0 and tr[10]["lr"] == pytest.approx(3e-3, rel=1e-3)  # warmup 10
+    for key in ("grad_norm", "tokens_per_s", "step_time_s", "skipped_steps"):
+        assert key in tr[-1]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["20", "40"]
+    assert json.loads((tmp_path / "config.json").read_text())["trainer"]["steps"] == 40
+    # Running again resumes at the end: nothing to do, nothing lost.
+    assert train.run(TINY, overrides=["trainer.steps=40"], run_dir=str(tmp_path)) == 0
+    assert len(read_metrics(tmp_path)) == len(recs)
+
+
+def test_flops_per_step_formula():
+    cfg = load_config(str(ROOT / "configs" / "fuji-3b-trn2.toml"))
+    f = train.flops_per_step(cfg)
+    tokens = 2048 * 8192
+    assert f["params"] == 3_221_400_576
+    assert f["dense"] == 6 * 3_221_400_576 * tokens
+    assert f["attention"] == 6 * 28 * 24 * 128 * 8192 * tokens
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["mesh.data=1", "mesh.fsdp=16", "trainer.accum_steps=1"], "needs a multiple of 16"),
+        (["mesh.data=2", "mesh.fsdp=2"], "uses 4 devices but 8"),
+        (["trainer.accum_steps=8"], r"not divisible by accum_steps \(8\) x batch shards"),
+    ],
+)
+def test_mesh_and_batch_errors(overrides, match):
+    cfg = load_config(TINY, overrides)
+    with pytest.raises(train.TrainError, match=match):
+        mesh = train.make_mesh(cfg)
+        train.check_batch(cfg, mesh)

@@ -1,0 +1,407 @@
+"""Typed run configuration: dataclasses per section, loaded from TOML, validated on load.
+
+A config file has the sections `[model]`, `[mesh]`, `[data]`, `[optimizer]`, `[trainer]`,
+`[checkpoint]`; a missing key takes the dataclass default, an unknown key is an error.
+`load_config(path, overrides)` applies `--set`-style overrides ("section.key=value", value parsed
+as TOML, a bare word taken as a string) and validates every field and the cross-section rules.
+Every problem raises `ConfigError` (a ValueError) with one line naming the key, the value and
+what is allowed.
+
+This module imports only the standard library: the model, trainer and CLI import it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tomllib
+import typing
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Names of the logical-axis -> mesh-axis rule sets (the rules themselves: trn_accum.model.fuji).
+SHARDING_RULE_SETS = ("trn2", "fsdp")
+ATTENTION_IMPLS = ("plain", "blockwise", "neuron_flash")
+COMPUTE_DTYPES = ("bfloat16", "float32")
+LAYER_LOOPS = ("scan", "unroll")
+REMAT_POLICIES = ("none", "full", "save_qkvo")
+DATA_KINDS = ("synthetic", "tokens")
+OPTIMIZER_KINDS = ("reference", "adamw")
+ACCUM_LOOPS = ("scan", "unroll")
+GRAD_REDUCTIONS = ("per_minibatch", "once")
+
+
+class ConfigError(ValueError):
+    """A bad configuration: one line naming the key, the value and what is allowed."""
+
+
+def _choice(*allowed: str) -> dict:
+    return {"choices": allowed}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The Fuji decoder (defaults: Fuji 3B v3, FACTS.md §1)."""
+
+    vocab_size: int = 131072
+    num_layers: int = 28
+    hidden_dim: int = 3072
+    num_heads: int = 24
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    ffn_dim: int = 8192
+    rope_theta: float = 500000.0
+    norm_eps: float = 1e-5
+    max_seq_len: int = 8192
+    init_std: float = 0.02  # normal(0, init_std) for every matrix, the embedding included
+    compute_dtype: str = field(default="bfloat16", metadata=_choice(*COMPUTE_DTYPES))
+    layer_loop: str = field(default="scan", metadata=_choice(*LAYER_LOOPS))
+    # none | full | save_qkvo (reference: keep the q/k/v/o projections and attention context)
+    remat: str = field(default="none", metadata=_choice(*REMAT_POLICIES))
+    attention: str = field(default="plain", metadata=_choice(*ATTENTION_IMPLS))
+    attention_block: int = 512  # block size of blockwise / flash attention
+    loss_chunk: int = 0  # tokens per LM-head/cross-entropy chunk; 0 = no chunking
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """Mesh axis sizes (one may be -1: all remaining devices) and the sharding rule set."""
+
+    data: int = -1
+    fsdp: int = 1
+    model: int = 1
+    rules: str = field(default="fsdp", metadata=_choice(*SHARDING_RULE_SETS))
+    nodes: int = 1  # the node count the global batch is meant for (dry-run default)
+
+    def axes(self) -> dict[str, int]:
+        """{"data": ..., "fsdp": ..., "model": ...} for `trn_accum.sharding.build_mesh`."""
+        return {"data": self.data, "fsdp": self.fsdp, "model": self.model}
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    kind: str = field(default="synthetic", metadata=_choice(*DATA_KINDS))
+    path: str = ""  # token-file directory (kind = "tokens")
+    seq_len: int = 8192
+    global_batch: int = 2048  # sequences per optimizer step, over all devices and minibatches
+    seed: int = 0
+    eval_batches: int = 2  # held-out batches per evaluation
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """Clip by global norm, AdamW, linear warmup then cosine decay (FACTS.md §1).
+
+    kind "reference": decoupled decay, update = -eta(t) * (peak_lr * adam(g) + weight_decay *
+    theta) with eta(t) peaking at 1.0. kind "adamw": `optax.adamw(peak_lr * eta(t), ...)`.
+    decay_steps counts from step 0 (warmup included); the schedule ends at final_lr_fraction.
+    """
+
+    kind: str = field(default="reference", metadata=_choice(*OPTIMIZER_KINDS))
+    peak_lr: float = 3e-4
+    weight_decay: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    clip_norm: float = 1.0  # clip by global norm; 0 = no clipping
+    warmup_steps: int = 2000
+    decay_steps: int = 983040
+    final_lr_fraction: float = 0.1
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    steps: int = 100
+    accum_steps: int | str = 1  # an int >= 1, or "auto" (smallest that fits memory_budget_gib)
+    loop: str = field(default="scan", metadata=_choice(*ACCUM_LOOPS))  # minibatch loop
+    reduce: str = field(default="per_minibatch", metadata=_choice(*GRAD_REDUCTIONS))
+    log_every: int = 10
+    eval_every: int = 0  # 0 = never
+    seed: int = 0  # parameter init and per-step RNG
+    memory_budget_gib: float = 24.0  # per device, for accum_steps = "auto" (trn2 LNC=2: 24 GiB)
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 0  # steps between saves; 0 = only on preemption and at the end
+    keep: int = 3  # newest checkpoints kept
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "mesh": MeshConfig,
+    "data": DataConfig,
+    "optimizer": OptimizerConfig,
+    "trainer": TrainerConfig,
+    "checkpoint": CheckpointConfig,
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_config(path: str | Path, overrides: Iterable[str] = ()) -> Config:
+    """Read a TOML config, apply "section.key=value" overrides, validate. Raises ConfigError."""
+    path = Path(path)
+    try:
+        with path.open("rb") as f:
+            raw = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {str(path)!r} does not exist") from None
+    except OSError as e:
+        raise ConfigError(f"config file {str(path)!r} cannot be read: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
+    return config_from_dict(apply_overrides(raw, overrides))
+
+
+def apply_overrides(raw: Mapping[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
+    """A copy of the raw TOML dict with each "section.key=value" override applied."""
+    out = {k: dict(v) if isinstance(v, Mapping) else v for k, v in raw.items()}
+    for item in overrides:
+        section, key, value = parse_override(item)
+        sect = out.setdefault(section, {})
+        if not isinstance(sect, dict):
+            raise ConfigError(f"override {item!r}: {section!r} is not a table in the config file")
+        sect[key] = value
+    return out
+
+
+def parse_override(item: str) -> tuple[str, str, Any]:
+    """ "trainer.accum_steps=8" -> ("trainer", "accum_steps", 8). The value is parsed as TOML;
+    a value that is not TOML (a bare word such as auto or /data/x) is kept as a string."""
+    name, sep, text = item.partition("=")
+    section, dot, key = name.strip().partition(".")
+    if not sep or not dot or not section or not key or "." in key:
+        raise ConfigError(
+            f"override {item!r}: expected section.key=value, e.g. trainer.accum_steps=8"
+        )
+    if section not in SECTIONS:
+        raise ConfigError(
+            f"override {item!r}: unknown section {section!r}; allowed: {', '.join(SECTIONS)}"
+        )
+    text = text.strip()
+    if not text:
+        raise ConfigError(f"override {item!r}: empty value for {section}.{key}")
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text
+    return section, key, value
+
+
+def config_from_dict(raw: Mapping[str, Any]) -> Config:
+    """Build and validate a Config from a nested dict (TOML tables, or `config_to_dict` output)."""
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"config must be a table of sections, got {type(raw).__name__}")
+    for name, value in raw.items():
+        if name not in SECTIONS:
+            raise ConfigError(f"unknown config section [{name}]; allowed: {', '.join(SECTIONS)}")
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"[{name}] must be a table of keys, got {value!r}")
+    sections = {
+        name: _build_section(name, cls, raw.get(name, {})) for name, cls in SECTIONS.items()
+    }
+    cfg = Config(**sections)
+    _check_config(cfg)
+    return cfg
+
+
+def config_to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
+    """Plain nested dict (TOML/JSON-serialisable) of a Config: for logs and checkpoint metadata."""
+    return dataclasses.asdict(cfg)
+
+
+def _build_section(name: str, cls: type, values: Mapping[str, Any]):
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key, value in values.items():
+        if key not in fields:
+            raise ConfigError(
+                f"unknown key {name}.{key} = {value!r}; allowed keys in [{name}]: "
+                f"{', '.join(fields)}"
+            )
+        choices = fields[key].metadata.get("choices")
+        _check_type(f"{name}.{key}", value, hints[key], choices)
+    kwargs = {k: float(v) if hints[k] is float else v for k, v in values.items()}
+    return cls(**kwargs)
+
+
+def _describe(tp, choices) -> str:
+    if choices:
+        return "one of " + ", ".join(repr(c) for c in choices)
+    if tp == (int | str):
+        return 'an integer or "auto"'
+    return {int: "an integer", float: "a number", str: "a string"}[tp]
+
+
+def _check_type(key: str, value: Any, tp, choices) -> None:
+    if tp is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif tp is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        ok = ok and math.isfinite(value)
+    elif tp is str:
+        ok = isinstance(value, str) and (not choices or value in choices)
+    elif tp == (int | str):  # trainer.accum_steps
+        ok = (isinstance(value, int) and not isinstance(value, bool)) or value == "auto"
+    else:  # pragma: no cover - a field type this module does not know
+        raise TypeError(f"{key}: unsupported field type {tp}")
+    if not ok:
+        raise ConfigError(f"{key} = {value!r}: must be {_describe(tp, choices)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation of values and cross-section rules
+
+
+def _require(ok: bool, key: str, value: Any, rule: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key} = {value!r}: {rule}")
+
+
+def _check_config(cfg: Config) -> None:
+    m, mesh, d, o, t, c = cfg.model, cfg.mesh, cfg.data, cfg.optimizer, cfg.trainer, cfg.checkpoint
+
+    for name in (
+        "vocab_size",
+        "num_layers",
+        "hidden_dim",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "ffn_dim",
+        "max_seq_len",
+        "attention_block",
+    ):
+        _require(getattr(m, name) >= 1, f"model.{name}", getattr(m, name), "must be >= 1")
+    _require(
+        m.hidden_dim % m.num_heads == 0,
+        "model.num_heads",
+        m.num_heads,
+        f"must divide model.hidden_dim ({m.hidden_dim})",
+    )
+    _require(
+        m.num_heads % m.num_kv_heads == 0,
+        "model.num_kv_heads",
+        m.num_kv_heads,
+        f"must divide model.num_heads ({m.num_heads})",
+    )
+    _require(m.head_dim % 2 == 0, "model.head_dim", m.head_dim, "must be even (RoPE rotates pairs)")
+    for name in ("rope_theta", "norm_eps", "init_std"):
+        _require(getattr(m, name) > 0, f"model.{name}", getattr(m, name), "must be > 0")
+    _require(m.loss_chunk >= 0, "model.loss_chunk", m.loss_chunk, "must be >= 0 (0 = no chunking)")
+
+    sizes = mesh.axes()
+    for name, size in sizes.items():
+        _require(size >= 1 or size == -1, f"mesh.{name}", size, "must be >= 1, or -1 (the rest)")
+    wild = [n for n, s in sizes.items() if s == -1]
+    if len(wild) > 1:
+        raise ConfigError(
+            f"mesh.{wild[1]} = -1: only one mesh axis may be -1 (mesh.{wild[0]} is -1 already)"
+        )
+    _require(mesh.nodes >= 1, "mesh.nodes", mesh.nodes, "must be >= 1")
+    if mesh.rules == "fsdp":
+        _require(
+            mesh.model == 1,
+            "mesh.model",
+            mesh.model,
+            'rules = "fsdp" has no tensor parallelism: set mesh.model = 1 or mesh.rules = "trn2"',
+        )
+    if mesh.rules == "trn2" and mesh.model > 1:
+        for name in ("num_heads", "num_kv_heads", "ffn_dim", "vocab_size"):
+            value = getattr(m, name)
+            _require(
+                value % mesh.model == 0,
+                f"model.{name}",
+                value,
+                f'must be divisible by mesh.model ({mesh.model}) under rules = "trn2"',
+            )
+    if mesh.fsdp > 1:
+        _require(
+            m.hidden_dim % mesh.fsdp == 0,
+            "model.hidden_dim",
+            m.hidden_dim,
+            f"must be divisible by mesh.fsdp ({mesh.fsdp}): parameters shard it",
+        )
+
+    _require(d.seq_len >= 2, "data.seq_len", d.seq_len, "must be >= 2")
+    _require(
+        d.seq_len <= m.max_seq_len,
+        "data.seq_len",
+        d.seq_len,
+        f"must be <= model.max_seq_len ({m.max_seq_len})",
+    )
+    _require(d.global_batch >= 1, "data.global_batch", d.global_batch, "must be >= 1")
+    _require(d.eval_batches >= 0, "data.eval_batches", d.eval_batches, "must be >= 0")
+    _require(
+        d.kind != "tokens" or bool(d.path),
+        "data.path",
+        d.path,
+        'must name the token directory when data.kind = "tokens"',
+    )
+
+    _require(o.peak_lr > 0, "optimizer.peak_lr", o.peak_lr, "must be > 0")
+    _require(o.weight_decay >= 0, "optimizer.weight_decay", o.weight_decay, "must be >= 0")
+    for name in ("b1", "b2"):
+        v = getattr(o, name)
+        _require(0 <= v < 1, f"optimizer.{name}", v, "must be in [0, 1)")
+    _require(o.eps > 0, "optimizer.eps", o.eps, "must be > 0")
+    _require(o.clip_norm >= 0, "optimizer.clip_norm", o.clip_norm, "must be >= 0 (0 = no clipping)")
+    _require(o.warmup_steps >= 0, "optimizer.warmup_steps", o.warmup_steps, "must be >= 0")
+    _require(
+        o.decay_steps > o.warmup_steps,
+        "optimizer.decay_steps",
+        o.decay_steps,
+        f"must be > optimizer.warmup_steps ({o.warmup_steps}); it counts from step 0",
+    )
+    _require(
+        0 <= o.final_lr_fraction <= 1,
+        "optimizer.final_lr_fraction",
+        o.final_lr_fraction,
+        "must be in [0, 1]",
+    )
+
+    _require(t.steps >= 1, "trainer.steps", t.steps, "must be >= 1")
+    # Necessary on any device count: the global batch splits into accum_steps minibatches,
+    # each sharded over the batch axes ("data", "fsdp"); an axis of -1 only multiplies them.
+    shards = math.prod(s for s in (mesh.data, mesh.fsdp) if s != -1)
+    if t.accum_steps == "auto":
+        _require(
+            d.global_batch % shards == 0,
+            "data.global_batch",
+            d.global_batch,
+            f"must be divisible by the batch shards of the mesh (data x fsdp = {shards})",
+        )
+    else:
+        _require(
+            t.accum_steps >= 1, "trainer.accum_steps", t.accum_steps, 'must be >= 1, or "auto"'
+        )
+        _require(
+            d.global_batch % (t.accum_steps * shards) == 0,
+            "data.global_batch",
+            d.global_batch,
+            f"must be divisible by trainer.accum_steps ({t.accum_steps}) x the batch "
+            f"shards of the mesh (data x fsdp = {shards})",
+        )
+    _require(t.log_every >= 1, "trainer.log_every", t.log_every, "must be >= 1")
+    _require(t.eval_every >= 0, "trainer.eval_every", t.eval_every, "must be >= 0 (0 = never)")
+    _require(
+        t.memory_budget_gib > 0, "trainer.memory_budget_gib", t.memory_budget_gib, "must be > 0"
+    )
+
+    _require(c.every >= 0, "checkpoint.every", c.every, "must be >= 0 (0 = only at exit)")
+    _require(c.keep >= 1, "checkpoint.keep", c.keep, "must be >= 1")

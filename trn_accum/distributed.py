@@ -1,0 +1,459 @@
+"""Start JAX's distributed runtime from wherever the process runs.
+
+    info = initialize()          # first thing in the trainer, before any JAX computation
+
+Where the process runs is read from its environment by a pure function,
+``derive_launch(env) -> LaunchPlan``, checked in the first match of this order:
+
+1. explicit: ``initialize(coordinator=..., num_processes=..., process_id=...)`` arguments, or the
+   variables ``TRN_ACCUM_PROCESS_ID`` (+ ``TRN_ACCUM_NUM_PROCESSES``, ``TRN_ACCUM_COORDINATOR``
+   = ``host:port``);
+2. a Kubernetes Indexed Job (``JOB_COMPLETION_INDEX`` is set): rank = ``JOB_COMPLETION_INDEX``,
+   world size = ``TRN_ACCUM_NUM_PROCESSES``, coordinator = ``<job>-0.<subdomain>:<port>`` from
+   ``TRN_ACCUM_JOB_NAME``, ``TRN_ACCUM_SUBDOMAIN`` (the headless Service) and
+   ``TRN_ACCUM_COORDINATOR_PORT`` (default 55527); the manifest of ``trn_accum.eks`` sets them;
+3. a Slurm job step (``srun``: ``SLURM_JOB_ID``, ``SLURM_STEP_NODELIST``, ``SLURM_NTASKS``,
+   ``SLURM_PROCID``, ``SLURM_LOCALID``): the same values JAX's own Slurm detection computes
+   (coordinator = first host of the step's node list, port ``SLURM_JOB_ID % 4096 + 61440``,
+   ``JAX_COORDINATOR_PORT`` / ``JAX_COORDINATOR_ADDRESS`` override), and ``initialize`` lets
+   JAX detect them itself. Inside a Slurm job but outside a step (the batch script) with more
+   than one task is an error: run the trainer under ``srun``;
+4. otherwise a single process (``jax.distributed`` is not started).
+
+On Neuron the plan also holds, derived from the same facts, the multi-process variables the
+Neuron PJRT plugin reads when its backend starts (FACTS.md §3):
+``NEURON_PJRT_PROCESSES_NUM_DEVICES`` ("64,64,..."; devices per process from
+``TRN_ACCUM_DEVICES_PER_PROCESS``, else the count of ``NEURON_RT_VISIBLE_CORES``, else
+128 / ``NEURON_LOGICAL_NC_CONFIG`` for a trn2.48xlarge), ``NEURON_PJRT_PROCESS_INDEX`` (the
+rank) and ``NEURON_RT_ROOT_COMM_ID`` (``<coordinator host>:<TRN_ACCUM_NEURON_ROOT_PORT, default
+41000>``; outside JAX's Slurm port range 61440-65535, so the two never collide). A value already
+in the environment wins. ``initialize`` exports them and selects the rbg PRNG
+(``jax_default_prng_impl``), since Threefry is not fully supported on Neuron.
+
+Bad values raise ``LaunchError`` (a ``ValueError``) with one line naming the variable, the rule
+and a fix. This module is a leaf: it imports only the standard library at the top (JAX inside
+``initialize``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from collections.abc import Mapping
+
+__all__ = [
+    "DEFAULT_K8S_PORT",
+    "DEFAULT_NEURON_ROOT_PORT",
+    "LaunchError",
+    "LaunchPlan",
+    "ProcessInfo",
+    "derive_launch",
+    "expand_nodelist",
+    "initialize",
+    "slurm_coordinator_port",
+]
+
+DEFAULT_K8S_PORT = 55527  # the port JAX's own Kubernetes detection uses
+DEFAULT_NEURON_ROOT_PORT = 41000  # outside JAX's Slurm range [61440, 65535]
+TRN2_PHYSICAL_CORES = 128  # trn2.48xlarge: 16 chips x 8 NeuronCore-v3
+
+_SLURM_STEP_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID")
+_SLURM_STEP_VARS_ALL = (*_SLURM_STEP_VARS, "SLURM_LOCALID")  # what JAX's detection requires
+
+
+class LaunchError(ValueError):
+    """The launch environment is inconsistent; one line naming the value, the rule and a fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchPlan:
+    """What this process is in a multi-process job, derived from its environment alone.
+
+    mode: "single" | "explicit" | "kubernetes" | "slurm".
+    coordinator: "host:port" of process 0's coordination service (None when single).
+    hosts: every process's host when the launcher says so (Slurm nodes, Kubernetes pod DNS
+      names), else ().
+    neuron_env: the Neuron multi-process variables to export before the backend starts
+      (empty off Neuron, and for a single process).
+    """
+
+    mode: str
+    num_processes: int
+    process_id: int
+    coordinator: str | None = None
+    hosts: tuple[str, ...] = ()
+    neuron_env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    @property
+    def coordinator_host(self) -> str | None:
+        return None if self.coordinator is None else self.coordinator.rsplit(":", 1)[0]
+
+    @property
+    def distributed(self) -> bool:
+        return self.num_processes > 1
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessInfo:
+    """The result of `initialize`: this process in the job (no JAX backend is started)."""
+
+    mode: str
+    process_id: int
+    num_processes: int
+    coordinator: str | None
+    neuron: bool
+    plan: LaunchPlan
+
+
+# ----------------------------------------------------------------------------- parsing
+
+
+def _int(env: Mapping[str, str], name: str, value: str | None = None, *, minimum: int = 0) -> int:
+    text = env.get(name) if value is None else value
+    if text is None or not str(text).strip():
+        raise LaunchError(f"{name} is not set: it must be an integer >= {minimum}")
+    try:
+        n = int(str(text).strip())
+    except ValueError:
+        raise LaunchError(f"{name}={text!r} is not an integer (>= {minimum} expected)") from None
+    if n < minimum:
+        raise LaunchError(f"{name}={n} must be >= {minimum}")
+    return n
+
+
+def _rank(name: str, process_id: int, world_name: str, num_processes: int) -> None:
+    if process_id >= num_processes:
+        raise LaunchError(
+            f"{name}={process_id} is not below {world_name}={num_processes}: ranks are "
+            f"0..{num_processes - 1}; fix the rank or the world size"
+        )
+
+
+def _address(name: str, text: str) -> str:
+    host, sep, port = str(text).strip().rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise LaunchError(f"{name}={text!r} is not host:port (port 1-65535), e.g. node001:55527")
+    return f"{host}:{int(port)}"
+
+
+def _split_top_level(text: str) -> list[str]:
+    """Split on commas outside brackets ("a[1,2],b" -> ["a[1,2]", "b"])."""
+    parts, depth, cur = [], 0, []
+    for ch in text:
+        if ch == "[":
+            depth += 1
+        elif ch == "]":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    parts.append("".join(cur))
+    return parts
+
+
+_BRACKET = re.compile(r"^([^\[\]]*)\[([^\[\]]*)\](.*)$")
+_RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
+_HOST = re.compile(r"^[A-Za-z0-9._-]+$")
+
+
+def _expand_item(item: str) -> list[str]:
+    m = _BRACKET.match(item)
+    if m is None:
+        if not _HOST.match(item):
+            raise ValueError(item)
+        return [item]
+    prefix, body, rest = m.groups()
+    if prefix and not _HOST.match(prefix):
+        raise ValueError(item)
+    numbers = []
+    for part in body.split(","):
+        r = _RANGE.match(part.strip())
+        if r is None:
+            raise ValueError(item)
+        lo, hi = r.group(1), r.group(2) or r.group(1)
+        if int(hi) < int(lo):
+            raise ValueError(item)
+        numbers += [str(i).zfill(len(lo)) for i in range(int(lo), int(hi) + 1)]  # keeps "007"
+    tails = _expand_item(rest) if rest else [""]
+    return [prefix + n + t for n in numbers for t in tails]
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Expand a Slurm hostlist without calling `scontrol show hostnames`.
+
+    "trn2-[001-004,007],other5" -> ["trn2-001", ..., "trn2-004", "trn2-007", "other5"];
+    zero padding is kept ("[08-10]" -> 08, 09, 10); several bracket groups in one name expand
+    as a product ("r[1-2]n[1-2]" -> r1n1, r1n2, r2n1, r2n2). Raises LaunchError otherwise.
+    """
+    text = (nodelist or "").strip()
+    try:
+        if not text or text.count("[") != text.count("]"):
+            raise ValueError(text)
+        hosts = []
+        for item in _split_top_level(text):
+            if not item:
+                raise ValueError(item)
+            hosts += _expand_item(item)
+        return hosts
+    except ValueError:
+        raise LaunchError(
+            f"SLURM_STEP_NODELIST={nodelist!r} is not a Slurm host list (e.g. "
+            f"'trn2-[001-004,007],other5'); run under srun, or set TRN_ACCUM_COORDINATOR, "
+            f"TRN_ACCUM_NUM_PROCESSES and TRN_ACCUM_PROCESS_ID explicitly"
+        ) from None
+
+
+def slurm_coordinator_port(env: Mapping[str, str]) -> int:
+    """JAX's Slurm port: `JAX_COORDINATOR_PORT`, else SLURM_JOB_ID % 4096 + 61440."""
+    if env.get("JAX_COORDINATOR_PORT"):
+        return _int(env, "JAX_COORDINATOR_PORT", minimum=1)
+    return _int(env, "SLURM_JOB_ID") % 4096 + 61440
+
+
+# ----------------------------------------------------------------------------- derivation
+
+
+def _env_neuron(env: Mapping[str, str]) -> bool:
+    return "neuron" in [p.strip() for p in env.get("JAX_PLATFORMS", "").lower().split(",")]
+
+
+def _count_cores(spec: str) -> int:
+    """Number of cores in NEURON_RT_VISIBLE_CORES ("0-63", "0,1,2", "0-31,64-95")."""
+    n = 0
+    for part in spec.split(","):
+        r = _RANGE.match(part.strip())
+        if r is None or int(r.group(2) or r.group(1)) < int(r.group(1)):
+            raise LaunchError(
+                f"NEURON_RT_VISIBLE_CORES={spec!r} is not a core list like '0-63' or '0,1,2'"
+            )
+        n += int(r.group(2) or r.group(1)) - int(r.group(1)) + 1
+    return n
+
+
+def neuron_devices_per_process(env: Mapping[str, str]) -> int:
+    """JAX devices each process drives on Neuron (64 on a trn2.48xlarge at LNC=2)."""
+    if env.get("TRN_ACCUM_DEVICES_PER_PROCESS"):
+        return _int(env, "TRN_ACCUM_DEVICES_PER_PROCESS", minimum=1)
+    if env.get("NEURON_RT_VISIBLE_CORES"):
+        return _count_cores(env["NEURON_RT_VISIBLE_CORES"])
+    lnc = _int(env, "NEURON_LOGICAL_NC_CONFIG", env.get("NEURON_LOGICAL_NC_CONFIG", "2"), minimum=1)
+    if lnc not in (1, 2):
+        raise LaunchError(f"NEURON_LOGICAL_NC_CONFIG={lnc} must be 1 or 2 on trn2")
+    return TRN2_PHYSICAL_CORES // lnc
+
+
+def _neuron_env(env: Mapping[str, str], plan: LaunchPlan) -> dict[str, str]:
+    if not plan.distributed:
+        return {}
+    per = neuron_devices_per_process(env)
+    root_port = _int(
+        env,
+        "TRN_ACCUM_NEURON_ROOT_PORT",
+        env.get("TRN_ACCUM_NEURON_ROOT_PORT", str(DEFAULT_NEURON_ROOT_PORT)),
+        minimum=1,
+    )
+    derived = {
+        "NEURON_PJRT_PROCESSES_NUM_DEVICES": ",".join([str(per)] * plan.num_processes),
+        "NEURON_PJRT_PROCESS_INDEX": str(plan.process_id),
+        "NEURON_RT_ROOT_COMM_ID": f"{plan.coordinator_host}:{root_port}",
+    }
+    return {k: env.get(k) or v for k, v in derived.items()}
+
+
+def _explicit(env, coordinator, num_processes, process_id) -> LaunchPlan:
+    num = (
+        _int(env, "num_processes", str(num_processes), minimum=1)
+        if num_processes is not None
+        else _int(
+            env, "TRN_ACCUM_NUM_PROCESSES", env.get("TRN_ACCUM_NUM_PROCESSES", "1"), minimum=1
+        )
+    )
+    pid_name = (
+        "TRN_ACCUM_PROCESS_ID"
+        if process_id is None and env.get("TRN_ACCUM_PROCESS_ID") is not None
+        else "process_id"
+    )
+    pid = _int(env, pid_name, None if process_id is None else str(process_id))
+    _rank(pid_name, pid, "num_processes", num)
+    coord = coordinator if coordinator is not None else env.get("TRN_ACCUM_COORDINATOR")
+    if num == 1:
+        return LaunchPlan("single", 1, 0)
+    if not coord:
+        raise LaunchError(
+            f"num_processes={num} needs a coordinator: set TRN_ACCUM_COORDINATOR=host:port "
+            f"(process 0's host and a free port) or pass coordinator='host:port'"
+        )
+    return LaunchPlan("explicit", num, pid, _address("coordinator", coord))
+
+
+def _kubernetes(env: Mapping[str, str]) -> LaunchPlan:
+    pid = _int(env, "JOB_COMPLETION_INDEX")
+    if not env.get("TRN_ACCUM_NUM_PROCESSES"):
+        raise LaunchError(
+            "JOB_COMPLETION_INDEX is set (Kubernetes Indexed Job) but TRN_ACCUM_NUM_PROCESSES is "
+            "not: set it to the Job's completions (the node count), as `trn-accum render-eks` does"
+        )
+    num = _int(env, "TRN_ACCUM_NUM_PROCESSES", minimum=1)
+    _rank("JOB_COMPLETION_INDEX", pid, "TRN_ACCUM_NUM_PROCESSES", num)
+    job, sub = env.get("TRN_ACCUM_JOB_NAME", ""), env.get("TRN_ACCUM_SUBDOMAIN", "")
+    hosts: tuple[str, ...] = ()
+    if env.get("TRN_ACCUM_COORDINATOR"):
+        coord = _address("TRN_ACCUM_COORDINATOR", env["TRN_ACCUM_COORDINATOR"])
+    elif num == 1:
+        coord = None
+    else:
+        if not job or not sub:
+            missing = " and ".join(
+                n for n, v in (("TRN_ACCUM_JOB_NAME", job), ("TRN_ACCUM_SUBDOMAIN", sub)) if not v
+            )
+            raise LaunchError(
+                f"Kubernetes Indexed Job with {num} pods but {missing} not set: the coordinator "
+                f"is <job>-0.<subdomain>:<port>; set them (the Job name and its headless "
+                f"Service) or TRN_ACCUM_COORDINATOR=host:port"
+            )
+        port = _int(
+            env,
+            "TRN_ACCUM_COORDINATOR_PORT",
+            env.get("TRN_ACCUM_COORDINATOR_PORT", str(DEFAULT_K8S_PORT)),
+            minimum=1,
+        )
+        hosts = tuple(f"{job}-{i}.{sub}" for i in range(num))
+        coord = _address("TRN_ACCUM_COORDINATOR_PORT", f"{hosts[0]}:{port}")
+    if num == 1:
+        return LaunchPlan("single", 1, 0, None, hosts)
+    return LaunchPlan("kubernetes", num, pid, coord, hosts)
+
+
+def _slurm(env: Mapping[str, str]) -> LaunchPlan:
+    hosts = tuple(expand_nodelist(env["SLURM_STEP_NODELIST"]))
+    num = _int(env, "SLURM_NTASKS", minimum=1)
+    pid = _int(env, "SLURM_PROCID")
+    _rank("SLURM_PROCID", pid, "SLURM_NTASKS", num)
+    if num == 1:
+        return LaunchPlan("single", 1, 0, None, hosts)
+    if env.get("JAX_COORDINATOR_ADDRESS"):
+        coord = _address("JAX_COORDINATOR_ADDRESS", env["JAX_COORDINATOR_ADDRESS"])
+    else:
+        coord = f"{hosts[0]}:{slurm_coordinator_port(env)}"
+    return LaunchPlan("slurm", num, pid, coord, hosts)
+
+
+def derive_launch(
+    env: Mapping[str, str],
+    *,
+    coordinator: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    neuron: bool | None = None,
+) -> LaunchPlan:
+    """The launch plan of this process: a pure function of `env` and the explicit arguments.
+
+    `neuron`: whether the Neuron backend will run (None: `JAX_PLATFORMS` names "neuron").
+    Raises LaunchError (one line) on missing or inconsistent values.
+    """
+    if any(v is not None for v in (coordinator, num_processes, process_id)) or env.get(
+        "TRN_ACCUM_PROCESS_ID"
+    ):
+        plan = _explicit(env, coordinator, num_processes, process_id)
+    elif env.get("JOB_COMPLETION_INDEX") is not None:
+        plan = _kubernetes(env)
+    elif all(env.get(k) for k in _SLURM_STEP_VARS):
+        plan = _slurm(env)
+    elif env.get("SLURM_JOB_ID") and int(env.get("SLURM_NTASKS", "1") or 1) > 1:
+        raise LaunchError(
+            f"inside Slurm job {env['SLURM_JOB_ID']} with SLURM_NTASKS={env['SLURM_NTASKS']} but "
+            f"not in a job step (no SLURM_STEP_NODELIST): launch one process per task with "
+            f"`srun trn-accum train ...`"
+        )
+    else:
+        plan = LaunchPlan("single", 1, 0)
+    if neuron is None:
+        neuron = _env_neuron(env)
+    if neuron:
+        plan = dataclasses.replace(plan, neuron_env=_neuron_env(env, plan))
+    return plan
+
+
+# ----------------------------------------------------------------------------- initialize
+
+
+def on_neuron() -> bool:
+    """Whether the Neuron backend will run here: `trn_accum.neuron.neuron_available()` (plugin
+    installed, /dev/neuron* present, `JAX_PLATFORMS` allows it; no backend is started)."""
+    from trn_accum import neuron  # noqa: PLC0415
+
+    return neuron.neuron_available()
+
+
+def initialize(
+    env: Mapping[str, str] | None = None,
+    *,
+    coordinator: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    neuron: bool | None = None,
+    initialization_timeout: int = 300,
+    heartbeat_timeout_seconds: int | None = None,
+) -> ProcessInfo:
+    """Start `jax.distributed` as the environment says; call before any JAX computation.
+
+    env: the environment to read (default `os.environ`). The Neuron variables are exported to
+      `os.environ` in every case (the backend reads them there).
+    coordinator/num_processes/process_id: explicit values (override any detection).
+    neuron: force Neuron on/off (default: `on_neuron()`).
+    initialization_timeout / heartbeat_timeout_seconds: passed to `jax.distributed.initialize`
+      (a dead peer makes every other process exit after the heartbeat timeout; JAX's default
+      is 100 s).
+
+    Single process: starts nothing. Slurm: `jax.distributed.initialize` detects the step itself
+    (the plan must agree; checked after start-up). Kubernetes / explicit: the plan's values,
+    with JAX's cluster detection off. Idempotent: a second call returns the same info.
+    Does not start the JAX backend (no devices are queried).
+    """
+    env = os.environ if env is None else env
+    if neuron is None:
+        neuron = on_neuron()
+    plan = derive_launch(
+        env,
+        coordinator=coordinator,
+        num_processes=num_processes,
+        process_id=process_id,
+        neuron=neuron,
+    )
+    import jax  # noqa: PLC0415  (a leaf module: JAX only when actually starting)
+
+    if neuron:
+        from trn_accum import neuron as neuron_mod  # noqa: PLC0415
+
+        neuron_mod.apply_env(plan.neuron_env)  # values already in os.environ win
+        neuron_mod.configure_prng("neuron")  # rbg
+    info = ProcessInfo(
+        plan.mode, plan.process_id, plan.num_processes, plan.coordinator, bool(neuron), plan
+    )
+    if not plan.distributed or jax.distributed.is_initialized():
+        return info
+    kwargs: dict = {"initialization_timeout": int(initialization_timeout)}
+    if heartbeat_timeout_seconds is not None:
+        kwargs["heartbeat_timeout_seconds"] = int(heartbeat_timeout_seconds)
+    if plan.mode == "slurm":
+        jax.distributed.initialize(cluster_detection_method="slurm", **kwargs)
+        from jax._src.distributed import global_state as state  # noqa: PLC0415 (no backend start)
+
+        got = (state.process_id, state.num_processes)
+        if got != (plan.process_id, plan.num_processes):
+            raise LaunchError(
+                f"JAX's Slurm detection gave process {got[0]} of {got[1]} but the environment "
+                f"says {plan.process_id} of {plan.num_processes}: check SLURM_PROCID/SLURM_NTASKS"
+            )
+    else:
+        jax.distributed.initialize(
+            plan.coordinator,
+            plan.num_processes,
+            plan.process_id,
+            cluster_detection_method="deactivate",
+            **kwargs,
+        )
+    return info

@@ -1,0 +1,277 @@
+"""Training metrics: RUN_DIR/metrics.jsonl, the console, TensorBoard (optional), and plots.
+
+One JSON object per line in `metrics.jsonl`: `{"step": int, "kind": "train" | "eval", ...scalars}`.
+`step` is the number of optimizer steps completed when the record was made (the first train
+record is step 1; its loss is that of the initial parameters on the batch of step index 0).
+Lines are flushed as written, so a killed process leaves only complete lines (at most the last
+one torn, which readers skip). On resume the file is cut back to the resumed step, so the file
+always describes one trajectory.
+
+Console: on a terminal, a progress bar rewritten in place; otherwise (Slurm / Kubernetes log
+files) one plain line every `log_every` steps, plus the first and the last.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Iterable, Mapping
+from typing import IO, Any
+
+METRICS_FILE = "metrics.jsonl"
+
+# Console order and format of the known train metrics; others are printed after them.
+_CONSOLE = (
+    ("loss", "loss", "{:.4f}"),
+    ("grad_norm", "gnorm", "{:.3f}"),
+    ("lr", "lr", "{:.3g}"),
+    ("tokens_per_s", "tok/s", "{:,.0f}"),
+    ("step_time_s", "s/step", "{:.3f}"),
+    ("skipped_steps", "skipped", "{:d}"),
+    ("mfu", "mfu", "{:.2%}"),
+)
+
+
+def _jsonable(v: Any) -> Any:
+    try:
+        import numpy as np  # noqa: PLC0415
+
+        if isinstance(v, np.generic | np.ndarray):
+            v = v.item()
+    except ImportError:  # pragma: no cover
+        pass
+    if hasattr(v, "item") and callable(v.item):
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)  # "nan" / "inf": JSON has no literal for them
+    return v
+
+
+def read_metrics(run_dir_or_file: str | os.PathLike) -> list[dict]:
+    """All complete records, in file order; a torn or invalid line is skipped."""
+    path = os.fspath(run_dir_or_file)
+    if os.path.isdir(path):
+        path = os.path.join(path, METRICS_FILE)
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(rec, dict) and isinstance(rec.get("step"), int):
+                records.append(rec)
+    return records
+
+
+def truncate_metrics(run_dir: str | os.PathLike, keep_through_step: int) -> None:
+    """Drops records with step > `keep_through_step` (and torn lines), atomically."""
+    path = os.path.join(os.fspath(run_dir), METRICS_FILE)
+    if not os.path.exists(path):
+        return
+    kept = [r for r in read_metrics(path) if r["step"] <= keep_through_step]
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        for r in kept:
+            f.write(json.dumps(r) + "\n")
+    os.replace(tmp, path)
+
+
+def _fmt(key: str, value: Any, spec: str) -> str:
+    try:
+        return spec.format(value)
+    except (ValueError, TypeError):
+        return str(value)
+
+
+def format_line(step: int, total: int, metrics: Mapping[str, Any]) -> str:
+    """`step 40/100 loss 3.2100 gnorm 0.812 lr 0.0003 ...` (only the keys present)."""
+    parts = [f"step {step}/{total}"]
+    known = set()
+    for key, label, spec in _CONSOLE:
+        known.add(key)
+        if key in metrics and metrics[key] is not None:
+            parts.append(f"{label} {_fmt(key, metrics[key], spec)}")
+    for key, value in metrics.items():
+        if key not in known and key not in ("step", "kind", "time"):
+            parts.append(f"{key} {_fmt(key, value, '{:.4g}')}")
+    return "  ".join(parts)
+
+
+class MetricsLogger:
+    """Writes metrics to RUN_DIR/metrics.jsonl, the console and TensorBoard (when installed).
+
+    Only the process with `enabled=True` (process 0) writes anything. `console`: a stream;
+    progress-bar mode when it is a terminal (`progress=None` decides by `isatty()`).
+    """
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike,
+        *,
+        total_steps: int,
+        log_every: int = 10,
+        enabled: bool = True,
+        console: IO[str] | None = None,
+        progress: bool | None = None,
+        tensorboard: bool = True,
+    ):
+        self.run_dir = os.fspath(run_dir)
+        self.total = total_steps
+        self.log_every = max(1, int(log_every))
+        self.enabled = enabled
+        self.console = console if console is not None else sys.stdout
+        if progress is None:
+            isatty = getattr(self.console, "isatty", None)
+            progress = bool(isatty and isatty())
+        self.progress = progress
+        self._file = None
+        self._tb = None
+        self._bar_open = False
+        if not enabled:
+            return
+        os.makedirs(self.run_dir, exist_ok=True)
+        self._file = open(  # noqa: SIM115 - closed in close()
+            os.path.join(self.run_dir, METRICS_FILE), "a", encoding="utf-8"
+        )
+        if tensorboard:
+            try:
+                from tensorboardX import SummaryWriter  # noqa: PLC0415
+
+                self._tb = SummaryWriter(os.path.join(self.run_dir, "tensorboard"))
+            except ImportError:
+                self._tb = None
+
+    # -- writing ---------------------------------------------------------------------------
+
+    def _record(self, step: int, kind: str, metrics: Mapping[str, Any]) -> dict:
+        rec = {"step": int(step), "kind": kind, "time": round(time.time(), 3)}
+        rec.update({k: _jsonable(v) for k, v in metrics.items()})
+        if self._file is not None:
+            self._file.write(json.dumps(rec) + "\n")
+            self._file.flush()
+        if self._tb is not None:
+            for k, v in rec.items():
+                if k not in ("step", "kind", "time") and isinstance(v, int | float):
+                    self._tb.add_scalar(f"{kind}/{k}", v, step)
+        return rec
+
+    def log_train(self, step: int, metrics: Mapping[str, Any]) -> None:
+        if not self.enabled:
+            return
+        rec = self._record(step, "train", metrics)
+        line = format_line(step, self.total, rec)
+        if self.progress:
+            width = 24
+            done = int(width * min(step, self.total) / max(self.total, 1))
+            bar = "#" * done + "." * (width - done)
+            self.console.write(f"\r[{bar}] {line}\x1b[K")
+            self.console.flush()
+            self._bar_open = True
+            if step >= self.total:
+                self._newline()
+        elif step == 1 or step % self.log_every == 0 or step >= self.total:
+            self.console.write(line + "\n")
+            self.console.flush()
+
+    def log_eval(self, step: int, metrics: Mapping[str, Any]) -> None:
+        if not self.enabled:
+            return
+        rec = self._record(step, "eval", metrics)
+        self._newline()
+        vals = "  ".join(
+            f"{k} {_fmt(k, v, '{:.4f}')}"
+            for k, v in rec.items()
+            if k not in ("step", "kind", "time")
+        )
+        self.console.write(f"eval at step {step}: {vals}\n")
+        self.console.flush()
+
+    def message(self, text: str) -> None:
+        """A free-form line (resume, checkpoint, preemption notes), on the console only."""
+        if not self.enabled:
+            return
+        self._newline()
+        self.console.write(text + "\n")
+        self.console.flush()
+
+    def _newline(self) -> None:
+        if self._bar_open:
+            self.console.write("\n")
+            self._bar_open = False
+
+    def close(self) -> None:
+        self._newline()
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+# -- plotting --------------------------------------------------------------------------------
+
+
+class PlotError(RuntimeError):
+    """User-facing plot error (missing matplotlib, no metrics)."""
+
+
+def _series(records: Iterable[dict], kind: str, key: str) -> tuple[list[int], list[float]]:
+    last: dict[int, float] = {}
+    for r in records:
+        v = r.get(key)
+        if r.get("kind", "train") == kind and isinstance(v, int | float):
+            last[r["step"]] = float(v)
+    steps = sorted(last)
+    return steps, [last[s] for s in steps]
+
+
+def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None) -> str:
+    """Loss (train, eval), learning rate and gradient norm vs step, to a PNG; returns its path."""
+    path = os.path.join(os.fspath(run_dir), METRICS_FILE)
+    if not os.path.isfile(path):
+        raise PlotError(f"no {METRICS_FILE} in run dir {os.fspath(run_dir)!r}: train into it first")
+    records = read_metrics(path)
+    if not any(r.get("kind", "train") == "train" for r in records):
+        raise PlotError(f"{path} has no train records yet: nothing to plot")
+    try:
+        import matplotlib  # noqa: PLC0415
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+    except ImportError as e:
+        raise PlotError(
+            f"plot needs matplotlib ({e}); install it with: pip install 'trn_accum[plot]'"
+        ) from None
+    out = os.fspath(out) if out else os.path.join(os.fspath(run_dir), "metrics.png")
+    fig, axes = plt.subplots(3, 1, figsize=(8, 9), sharex=True)
+    s, v = _series(records, "train", "loss")
+    axes[0].plot(s, v, label="train")
+    s, v = _series(records, "eval", "eval_loss")
+    if s:
+        axes[0].plot(s, v, "o-", label="eval")
+    axes[0].set_ylabel("loss")
+    axes[0].legend()
+    for ax, key in ((axes[1], "lr"), (axes[2], "grad_norm")):
+        s, v = _series(records, "train", key)
+        ax.plot(s, v)
+        ax.set_ylabel(key)
+    axes[2].set_xlabel("step")
+    fig.suptitle(os.path.basename(os.path.abspath(os.fspath(run_dir))))
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out

@@ -1,0 +1,322 @@
+"""Static minibatch shardings: the strided split, its inverse, validation, and mesh building.
+
+A global batch of B rows sharded on axis 0 over D devices (device d holds rows
+[d·B/D, (d+1)·B/D)) is split into k minibatches *strided*: minibatch i = rows i, i+k, i+2k, ...
+
+    stacked = x.reshape(B/k, k, *rest).swapaxes(0, 1)        # [k, B/k, *rest]
+
+Row r = j·k + i lands at stacked[i, j]; device d's rows are j in [d·B/(k·D), (d+1)·B/(k·D)) for
+every i, i.e. rows it already holds. So the stacked array's sharding is P(None, *batch_spec) and
+each minibatch's is batch_spec, computable from the PartitionSpec alone, and the split moves no
+data (a contiguous split, rows [i·B/k, (i+1)·B/k), would put minibatch 0 on the first D/k
+devices). Requirement: B divisible by k·D. Non-batch axes keep their sharding.
+
+Imports JAX (and numpy/stdlib) only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+__all__ = [
+    "batch_shard_count",
+    "build_mesh",
+    "check_auto_mesh",
+    "check_spec_axes",
+    "cut_spec",
+    "leaf_specs",
+    "merge_minibatches",
+    "minibatch_specs",
+    "nearest_valid_steps",
+    "split_minibatches",
+    "validate_batch",
+    "validate_steps",
+]
+
+
+# ----------------------------------------------------------------------------- specs
+
+
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, P) or x is None
+
+
+def _as_spec(x: P | None) -> P:
+    return P() if x is None else x
+
+
+def validate_steps(steps: Any) -> int:
+    """`steps` must be an int >= 1 (a static Python int, not a traced value)."""
+    if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)):
+        raise ValueError(
+            f"steps={steps!r} must be a Python int >= 1 (the number of accumulation "
+            "minibatches is static)"
+        )
+    if steps < 1:
+        raise ValueError(f"steps={steps} must be >= 1 (1 = no accumulation)")
+    return int(steps)
+
+
+def minibatch_specs(batch_spec: Any, steps: int) -> tuple[Any, Any]:
+    """(stacked_spec, minibatch_spec) for a batch spec (or a pytree of specs), before tracing.
+
+    stacked_spec = P(None, *batch_spec) for the [k, B/k, ...] stack; minibatch_spec =
+    batch_spec for each [B/k, ...] minibatch. `None` (anywhere) means P() (replicated). Pure:
+    no mesh, no arrays, same answer for every k >= 1.
+    """
+    validate_steps(steps)
+    if _is_spec(batch_spec):
+        spec = _as_spec(batch_spec)
+        return P(None, *spec), spec
+    stacked = jax.tree.map(lambda s: P(None, *_as_spec(s)), batch_spec, is_leaf=_is_spec)
+    mini = jax.tree.map(_as_spec, batch_spec, is_leaf=_is_spec)
+    return stacked, mini
+
+
+def cut_spec(spec: P | None, ndim: int) -> P:
+    """A spec cut to a leaf's rank (extra trailing entries dropped; shorter = replicated)."""
+    spec = _as_spec(spec)
+    return P(*tuple(spec)[:ndim])
+
+
+def _spec_axes(entry: Any) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    if isinstance(entry, (tuple, list)):
+        return tuple(a for e in entry for a in _spec_axes(e))
+    if entry is P.UNCONSTRAINED:
+        return ()
+    return (entry,)
+
+
+def check_spec_axes(spec: P, mesh: Mesh, *, what: str = "batch_spec") -> None:
+    """ValueError if `spec` names an axis that `mesh` lacks."""
+    for entry in spec:
+        for axis in _spec_axes(entry):
+            if axis not in mesh.axis_names:
+                raise ValueError(
+                    f"{what} {spec} names mesh axis {axis!r}, which the mesh "
+                    f"({_mesh_str(mesh)}) lacks; use one of {tuple(mesh.axis_names)} "
+                    "or add the axis to the mesh"
+                )
+
+
+def check_auto_mesh(mesh: Mesh) -> None:
+    """ValueError unless every mesh axis is Auto (shardings are stated with constraints)."""
+    types = tuple(getattr(mesh, "axis_types", None) or ())
+    bad = [n for n, t in zip(mesh.axis_names, types, strict=False) if t != AxisType.Auto]
+    if bad:
+        raise ValueError(
+            f"mesh axes {tuple(bad)} have axis types {types}; trn_accum states shardings with "
+            "sharding constraints and needs Auto axes: build the mesh with "
+            "trn_accum.sharding.build_mesh or jax.make_mesh(..., axis_types=(AxisType.Auto,) * n)"
+        )
+
+
+def batch_shard_count(spec: P | None, mesh: Mesh | None) -> int:
+    """Number of shards of axis 0 under `spec` on `mesh` (1 without a mesh or a batch axis)."""
+    spec = _as_spec(spec)
+    if mesh is None or len(spec) == 0:
+        return 1
+    return math.prod(mesh.shape[a] for a in _spec_axes(spec[0]))
+
+
+def _mesh_str(mesh: Mesh) -> str:
+    return ", ".join(f"{n}={s}" for n, s in mesh.shape.items())
+
+
+def _path_str(path: Sequence[Any]) -> str:
+    s = jax.tree_util.keystr(tuple(path))
+    return s if s else "<root>"
+
+
+def leaf_specs(batch: Any, batch_spec: Any) -> list[P]:
+    """One PartitionSpec per leaf of `batch` (in `jax.tree.leaves` order), cut to its rank.
+
+    `batch_spec`: None (replicated), one PartitionSpec for every leaf, or a pytree of specs
+    that is a prefix of `batch`'s structure.
+    """
+    leaves = jax.tree.leaves(batch)
+    if _is_spec(batch_spec):
+        return [cut_spec(batch_spec, np.ndim(x)) for x in leaves]
+    try:
+        full = jax.tree.broadcast(batch_spec, batch, is_leaf=_is_spec)
+    except ValueError as e:
+        raise ValueError(
+            f"batch_spec must be one PartitionSpec or a pytree prefix of the batch: {e}"
+        ) from None
+    specs = jax.tree.leaves(full, is_leaf=_is_spec)
+    return [cut_spec(s, np.ndim(x)) for s, x in zip(specs, leaves, strict=True)]
+
+
+def nearest_valid_steps(batch_size: int, shards: int, steps: int) -> int | None:
+    """The k closest to `steps` with batch_size divisible by k·shards (ties: the larger k);
+    None if batch_size is not divisible by shards at all."""
+    if shards < 1 or batch_size % shards:
+        return None
+    per_shard = batch_size // shards
+    divisors = [d for d in range(1, per_shard + 1) if per_shard % d == 0]
+    return min(divisors, key=lambda d: (abs(d - steps), -d))
+
+
+def validate_batch(
+    batch: Any, steps: int, *, mesh: Mesh | None = None, batch_spec: Any = None
+) -> tuple[int, list[P]]:
+    """Check a batch against k = steps and the mesh; return (B, per-leaf specs).
+
+    ValueError (at trace time: shapes are static) when: steps < 1; a leaf has no batch axis;
+    leaves disagree on B; a spec names an axis the mesh lacks; B is not divisible by
+    k × (shards of the batch axes). Messages name the leaf, B, k, the shard count and the
+    nearest valid k.
+    """
+    steps = validate_steps(steps)
+    flat, _ = jax.tree.flatten_with_path(batch)
+    if not flat:
+        raise ValueError("the batch has no array leaves")
+    specs = leaf_specs(batch, batch_spec)
+    if mesh is not None:
+        check_auto_mesh(mesh)
+        for spec in specs:
+            check_spec_axes(spec, mesh)
+    sizes = {}
+    for path, x in flat:
+        if np.ndim(x) == 0:
+            raise ValueError(
+                f"batch leaf {_path_str(path)} is a scalar; every batch leaf needs the batch "
+                "size on axis 0 (pass scalars as extra arguments instead)"
+            )
+        sizes.setdefault(int(np.shape(x)[0]), []).append(_path_str(path))
+    if len(sizes) > 1:
+        detail = "; ".join(f"B={b}: {', '.join(p[:4])}" for b, p in sorted(sizes.items()))
+        raise ValueError(
+            f"batch leaves disagree on the batch size (axis 0): {detail}; every leaf must "
+            "have the same global batch size"
+        )
+    batch_size = next(iter(sizes))
+    for (path, _), spec in zip(flat, specs, strict=True):
+        shards = batch_shard_count(spec, mesh)
+        if batch_size % (steps * shards):
+            axes = _spec_axes(spec[0]) if len(spec) else ()
+            nearest = nearest_valid_steps(batch_size, shards, steps)
+            fix = (
+                f"nearest valid steps: k={nearest}"
+                if nearest is not None
+                else f"no k works: B is not divisible by the {shards} batch shards"
+            )
+            raise ValueError(
+                f"batch leaf {_path_str(path)}: global batch size B={batch_size} is not "
+                f"divisible by steps k={steps} × {shards} batch shards (mesh axes {axes}) "
+                f"= {steps * shards}; {fix}, or use a batch size that is a multiple of "
+                f"{steps * shards}"
+            )
+    return batch_size, specs
+
+
+# ----------------------------------------------------------------------------- split / merge
+
+
+def _constrain(x: jax.Array, mesh: Mesh | None, spec: P) -> jax.Array:
+    if mesh is None:
+        return x
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def _split_leaf(x: jax.Array, steps: int, mesh: Mesh | None, spec: P) -> jax.Array:
+    x = _constrain(x, mesh, spec)
+    b, rest = x.shape[0], x.shape[1:]
+    y = x.reshape(b // steps, steps, *rest).swapaxes(0, 1)
+    return _constrain(y, mesh, P(None, *spec))
+
+
+def split_minibatches(
+    batch: Any, steps: int, *, mesh: Mesh | None = None, batch_spec: Any = None
+) -> Any:
+    """Strided split of every leaf: [B, *rest] -> [k, B/k, *rest]; minibatch i = rows i::k.
+
+    With `mesh`, the input is constrained to its spec and the stack to P(None, *spec) (every
+    device keeps exactly its rows: no collective). Without `mesh`, the same math and no
+    constraints. Raises ValueError as `validate_batch` does.
+    """
+    steps = validate_steps(steps)
+    _, specs = validate_batch(batch, steps, mesh=mesh, batch_spec=batch_spec)
+    leaves, treedef = jax.tree.flatten(batch)
+    out = [_split_leaf(x, steps, mesh, s) for x, s in zip(leaves, specs, strict=True)]
+    return jax.tree.unflatten(treedef, out)
+
+
+def merge_minibatches(stacked: Any, *, mesh: Mesh | None = None, batch_spec: Any = None) -> Any:
+    """Exact inverse of `split_minibatches`: [k, B/k, *rest] -> [B, *rest] in the original row
+    order (row j·k + i = stacked[i, j]). With `mesh`, the result is constrained to the spec."""
+    leaves, treedef = jax.tree.flatten(stacked)
+    for path, x in jax.tree.flatten_with_path(stacked)[0]:
+        if np.ndim(x) < 2:
+            raise ValueError(
+                f"stacked leaf {_path_str(path)} has shape {np.shape(x)}; merge_minibatches "
+                "needs [k, B/k, ...] (rank >= 2)"
+            )
+    specs = (
+        leaf_specs(jax.tree.map(lambda x: x[0], stacked), batch_spec)
+        if mesh is not None
+        else [None] * len(leaves)
+    )
+    out = []
+    for x, spec in zip(leaves, specs, strict=True):
+        k, bk, rest = x.shape[0], x.shape[1], x.shape[2:]
+        if mesh is not None:
+            check_spec_axes(spec, mesh)
+            x = _constrain(x, mesh, P(None, *spec))
+        y = x.swapaxes(0, 1).reshape(k * bk, *rest)
+        out.append(_constrain(y, mesh, spec) if mesh is not None else y)
+    return jax.tree.unflatten(treedef, out)
+
+
+# ----------------------------------------------------------------------------- mesh
+
+
+def build_mesh(axes: Mapping[str, int], devices: Sequence[Any] | None = None) -> Mesh:
+    """A Mesh with the axes in the order given, e.g. {"data": 2, "fsdp": -1, "model": 4}.
+
+    One size may be -1: all remaining devices. Sizes must be positive ints whose product is
+    the device count (ValueError otherwise, naming the sizes and the count). Axis types are
+    Auto (shardings are stated with constraints, as the accumulation core does). Devices:
+    `jax.devices()` by default, laid out row-major in the order given (jax.make_mesh), so the
+    leading axes span processes/nodes in a multi-process run.
+    """
+    if not isinstance(axes, Mapping) or not axes:
+        raise ValueError(f"mesh axes must be a non-empty mapping name -> size, got {axes!r}")
+    devices = list(jax.devices() if devices is None else devices)
+    n = len(devices)
+    names = [str(a) for a in axes]
+    sizes = []
+    for name, size in axes.items():
+        if isinstance(size, bool) or not isinstance(size, (int, np.integer)):
+            raise ValueError(f"mesh axis {name}={size!r}: size must be an int (or -1)")
+        if size == 0 or size < -1:
+            raise ValueError(f"mesh axis {name}={size}: size must be >= 1, or -1 for the rest")
+        sizes.append(int(size))
+    shown = ", ".join(f"{a}={s}" for a, s in zip(names, sizes, strict=True))
+    if sizes.count(-1) > 1:
+        raise ValueError(f"mesh ({shown}): at most one axis may be -1")
+    if -1 in sizes:
+        known = math.prod(s for s in sizes if s != -1)
+        if n % known:
+            raise ValueError(
+                f"mesh ({shown}): the other axes use {known} devices, which does not divide the "
+                f"{n} devices; pick sizes whose product divides {n}"
+            )
+        sizes[sizes.index(-1)] = n // known
+    if math.prod(sizes) != n:
+        raise ValueError(
+            f"mesh ({shown}) needs {math.prod(sizes)} devices but {n} are available; make the "
+            f"sizes multiply to {n} or set one size to -1"
+        )
+    return jax.make_mesh(
+        tuple(sizes), tuple(names), axis_types=(AxisType.Auto,) * len(names), devices=devices
+    )
