@@ -27,6 +27,37 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
+def train_cli(
+    args: Sequence[str],
+    *,
+    devices: int = 8,
+    env: Mapping[str, str] | None = None,
+    timeout: float = 900.0,
+) -> subprocess.CompletedProcess:
+    """`trn-accum train ARGS` in one CPU process with `devices` emulated devices."""
+    return subprocess.run(
+        [sys.executable, "-m", "trn_accum.cli", "train", *args],
+        env=cpu_env(devices, env),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def train_losses(run_dir: str | os.PathLike) -> dict[int, float]:
+    """{step: loss} of the train records in RUN_DIR/metrics.jsonl."""
+    import json
+
+    out = {}
+    for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if rec.get("kind") == "train":
+            out[int(rec["step"])] = float(rec["loss"])
+    return out
+
+
 def free_port() -> int:
     """A TCP port that was free a moment ago on 127.0.0.1."""
     with socket.socket() as s:

@@ -6,13 +6,20 @@ Recipe (FACTS.md §5): Debian's slurm-wlm 22.05, run as root, `AuthType=auth/non
 /proc/meminfo, free (non-default) ports, every state/spool/pid/log path inside the folder.
 Clients find it through `SLURM_CONF` (see `SlurmCluster.env`).
 
-Use the pytest fixture (the daemons live for the test session and are stopped by PID)::
+Use it as a fixture (the daemons are stopped by PID at teardown)::
 
-    from slurm_cluster import slurm_cluster  # noqa: F401  (fixture)
+    from slurm_cluster import running_cluster
+
+    @pytest.fixture(scope="module")
+    def cluster():
+        with running_cluster() as c:
+            yield c
 
     @pytest.mark.xdist_group("slurm")
-    def test_x(slurm_cluster):
-        slurm_cluster.run("sbatch", "--wait", "job.sh")
+    def test_x(cluster):
+        cluster.run("sbatch", "--wait", "job.sh")
+
+(or import the session-scoped `slurm_cluster` fixture from this module).
 
 When slurm-wlm is missing (or we are not root) the fixture skips with the reason, except under
 `CI=true`, where it fails: CI must run these tests (`make test` installs slurm-wlm there).
@@ -23,6 +30,7 @@ Ctrl-C stops it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -236,16 +244,24 @@ def require_slurm() -> None:
     pytest.skip(reason)
 
 
-@pytest.fixture(scope="session")
-def slurm_cluster() -> Iterator[SlurmCluster]:
-    """A running one-node Slurm for the session; its daemons are stopped by PID at teardown."""
+@contextlib.contextmanager
+def running_cluster(**kwargs) -> Iterator[SlurmCluster]:
+    """A started SlurmCluster in a temporary folder (skips/fails per `require_slurm`); its
+    daemons are stopped by PID on exit."""
     require_slurm()
     with tempfile.TemporaryDirectory(prefix="trn-accum-slurm-") as root:
-        cluster = SlurmCluster(root).start()
+        cluster = SlurmCluster(root, **kwargs).start()
         try:
             yield cluster
         finally:
             cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> Iterator[SlurmCluster]:
+    """A running one-node Slurm for the session (`running_cluster`)."""
+    with running_cluster() as cluster:
+        yield cluster
 
 
 if __name__ == "__main__":

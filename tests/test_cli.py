@@ -178,6 +178,47 @@ def test_external_sigterm_saves_and_exits_75(tmp_path):
     assert (run / "checkpoints" / str(last)).is_dir()
 
 
+@pytest.mark.xdist_group("trn_cli_done_run")
+@pytest.mark.slow
+def test_two_processes_train_then_resume_on_one(done_run, tmp_path):
+    """2 processes x 4 devices (jax.distributed via trn_accum.distributed) follow the
+    single-process trajectory; their checkpoint resumes on 1 process x 8 devices."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run = tmp_path / "run"
+    args = ["train", "--config", TINY, "--run-dir", run, "--set", "trainer.steps=4"]
+    args += ["--set", "checkpoint.every=2"]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "trn_accum.cli", *map(str, args)],
+            env=_env(
+                devices=4,
+                TRN_ACCUM_PROCESS_ID=str(i),
+                TRN_ACCUM_NUM_PROCESSES="2",
+                TRN_ACCUM_COORDINATOR=f"127.0.0.1:{port}",
+            ),
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+    one, two = _train_records(done_run / "run"), _train_records(run)
+    assert sorted(two) == [1, 2, 3, 4]
+    for s in range(1, 5):
+        for key in ("loss", "grad_norm", "lr"):
+            assert two[s][key] == pytest.approx(one[s][key], rel=1e-5), (s, key)
+    r = train(run, "trainer.steps=6", "checkpoint.every=2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "(step 4)" in r.stdout and sorted(_train_records(run)) == list(range(1, 7))
+
+
 # ---------------------------------------------------------------------------------------------
 # Other commands
 
@@ -190,11 +231,15 @@ def test_prepare_data_train_on_tokens_and_plot(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "tokens" in r.stdout and (out / "meta.json").exists()
     run = tmp_path / "run"
-    r = train(
-        run, "data.kind=tokens", f"data.path={out}", "trainer.steps=3", "trainer.eval_every=3"
-    )
+    r = cli(
+        "train", "--config", TINY, "--run-dir", run, "--profile", "1:2",
+        "--set", "data.kind=tokens", "--set", f"data.path={out}",
+        "--set", "trainer.steps=3", "--set", "trainer.eval_every=3",
+    )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     assert sorted(_train_records(run)) == [1, 2, 3]
+    assert [r["step"] for r in read_metrics(run) if r["kind"] == "eval"] == [3]
+    assert any(p.is_file() for p in (run / "profile").rglob("*.xplane.pb"))
     r = cli("plot", run, "-o", tmp_path / "m.png")
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "m.png").stat().st_size > 1000
@@ -282,6 +327,7 @@ def _bad_cases(base):
     }
 
 
+@pytest.mark.xdist_group("trn_cli_done_run")
 def test_bad_inputs_one_line_exit_2_nothing_lost(done_run):
     before = _snapshot(done_run / "run")
     cases = _bad_cases(done_run)
@@ -311,6 +357,7 @@ def test_bad_inputs_one_line_exit_2_nothing_lost(done_run):
     assert _snapshot(done_run / "run") == before
 
 
+@pytest.mark.xdist_group("trn_cli_done_run")
 def test_corrupt_newest_checkpoint_is_one_line_and_kept(done_run, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(done_run / "run", run)
@@ -331,6 +378,7 @@ def test_exit_code_constant_matches_checkpoint_module():
     assert cli.EXIT_PREEMPTED == checkpoint.EXIT_PREEMPTED == EXIT_PREEMPTED
 
 
+@pytest.mark.xdist_group("trn_cli_done_run")
 def test_metrics_file_is_clean_json_lines(done_run):
     lines = (done_run / "run" / "metrics.jsonl").read_text().splitlines()
     recs = [json.loads(ln) for ln in lines]

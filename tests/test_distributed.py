@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 import pytest
-from multiprocess import cpu_env, free_port, run_processes
+from multiprocess import cpu_env, free_port, run_processes, train_cli, train_losses
 
 from trn_accum import distributed as dist
 from trn_accum.distributed import LaunchError, derive_launch, expand_nodelist
@@ -459,3 +459,34 @@ def test_a_dead_peer_makes_the_other_process_exit():
             if p.poll() is None:
                 p.kill()
             p.wait()
+
+
+# ----------------------------------------------------------------------------- the trainer
+
+SHORT_RUN = [
+    "--config",
+    "configs/fuji-tiny.toml",  # 4 minibatches per step
+    "--set",
+    "trainer.steps=4",
+    "--set",
+    "trainer.log_every=1",
+    "--set",
+    "trainer.eval_every=1000",
+    "--set",
+    "checkpoint.every=1000",
+]
+
+
+@pytest.mark.slow  # two compilations of the tiny train step (about 20-60 s on 2 busy cores)
+def test_trainer_two_processes_same_losses_as_one_process(tmp_path):
+    one = train_cli([*SHORT_RUN, "--run-dir", str(tmp_path / "one")], devices=8)
+    assert one.returncode == 0, one.stderr[-3000:]
+    run_processes(
+        ["-m", "trn_accum.cli", "train", *SHORT_RUN, "--run-dir", str(tmp_path / "two")],
+        2,
+        devices_per_process=4,
+        timeout=900,
+    )
+    ref, got = train_losses(tmp_path / "one"), train_losses(tmp_path / "two")
+    assert sorted(ref) == sorted(got) == [1, 2, 3, 4]
+    np.testing.assert_allclose([got[s] for s in ref], list(ref.values()), rtol=1e-6, atol=0)

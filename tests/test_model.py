@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -40,6 +41,23 @@ SMALL = ModelConfig(
     remat="none",
 )
 B, S = 2, 16
+
+
+# Compile-time matters on a shared 2-core machine: jit everything once, and initialise with an
+# rbg key (partitionable threefry costs about 1 s of XLA:CPU compile per parameter shape).
+_init = jax.jit(fuji.init_params, static_argnums=0)
+_forward = jax.jit(fuji.forward, static_argnums=2)
+_loss = jax.jit(fuji.loss_fn, static_argnums=2)
+_value_and_grad = jax.jit(jax.value_and_grad(fuji.loss_fn, has_aux=True), static_argnums=2)
+
+
+def _key(seed=0):
+    return jax.random.key(seed, impl="rbg")
+
+
+@pytest.fixture(scope="module")
+def params():
+    return _init(SMALL, _key(0))
 
 
 def _tokens(key=1, b=B, s=S, vocab=SMALL.vocab_size):
@@ -80,41 +98,39 @@ def test_param_axes_cover_every_dimension():
     assert set(fuji.RULES) == set(SHARDING_RULE_SETS)
 
 
-def test_init_is_deterministic_with_the_configured_scale():
-    p1 = fuji.init_params(SMALL, jax.random.key(3))
-    p2 = fuji.init_params(SMALL, jax.random.key(3))
-    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2)))
-    np.testing.assert_allclose(np.std(p1["layers"]["gate"]), SMALL.init_std, rtol=0.05)
-    assert np.all(p1["layers"]["attn_norm"] == 1) and np.all(p1["final_norm"] == 1)
+def test_init_is_deterministic_with_the_configured_scale(params):
+    again = _init(SMALL, _key(0))
+    leaves, again = jax.tree.leaves(params), jax.tree.leaves(again)
+    assert all(np.array_equal(a, b) for a, b in zip(leaves, again, strict=True))
+    np.testing.assert_allclose(np.std(params["layers"]["gate"]), SMALL.init_std, rtol=0.05)
+    assert not np.array_equal(params["layers"]["gate"][0], params["layers"]["gate"][1])
+    assert np.all(params["layers"]["attn_norm"] == 1) and np.all(params["final_norm"] == 1)
 
 
 # --------------------------------------------------------------------------- behaviour
 
 
-def test_causality_no_logit_depends_on_a_later_token():
-    params = fuji.init_params(SMALL, jax.random.key(0))
-    fwd = jax.jit(fuji.forward, static_argnums=2)
+def test_causality_no_logit_depends_on_a_later_token(params):
     tokens = _tokens()
     t = 9
     changed = tokens.at[:, t].set((tokens[:, t] + 1) % SMALL.vocab_size)
-    a, b = fwd(params, tokens, SMALL), fwd(params, changed, SMALL)
+    a, b = _forward(params, tokens, SMALL), _forward(params, changed, SMALL)
     assert a.shape == (B, S, SMALL.vocab_size) and a.dtype == jnp.float32
     np.testing.assert_allclose(a[:, :t], b[:, :t], rtol=0, atol=1e-6)
     assert np.all(np.abs(a[:, t:] - b[:, t:]).max(axis=-1) > 1e-4)  # later positions do move
 
 
-def test_gqa_model_equals_mha_with_repeated_kv_heads():
+def test_gqa_model_equals_mha_with_repeated_kv_heads(params):
     """A GQA model equals the multi-head model whose KV projections repeat each KV head for its
     group of query heads (query head h reads KV head h // group)."""
-    params = fuji.init_params(SMALL, jax.random.key(0))
     group = SMALL.num_heads // SMALL.num_kv_heads
     mha_cfg = dataclasses.replace(SMALL, num_kv_heads=SMALL.num_heads)
     mha = jax.tree.map(lambda x: x, params)
     for name in ("k", "v"):
         mha["layers"][name] = jnp.repeat(params["layers"][name], group, axis=2)
     tokens = _tokens()
-    gqa_logits = fuji.forward(params, tokens, SMALL)
-    mha_logits = fuji.forward(mha, tokens, mha_cfg)
+    gqa_logits = _forward(params, tokens, SMALL)
+    mha_logits = _forward(mha, tokens, mha_cfg)
     np.testing.assert_allclose(gqa_logits, mha_logits, rtol=1e-5, atol=1e-5)
 
 
@@ -131,7 +147,8 @@ def test_gqa_attention_equals_independent_mha_reference():
     probs = np.exp(scores - scores.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
     expected = np.einsum("bhst,bthd->bshd", probs, v_rep)
-    np.testing.assert_allclose(attention(q, k, v, impl="plain"), expected, rtol=1e-5, atol=1e-6)
+    out = jax.jit(attention)(q, k, v)  # impl="plain"
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
 
 
 def test_rope_scores_depend_only_on_relative_position():
@@ -140,6 +157,7 @@ def test_rope_scores_depend_only_on_relative_position():
     k = jax.random.normal(jax.random.key(1), (d,), jnp.float32)
     pos = jnp.arange(40)
 
+    @jax.jit
     def rotated(x):  # x at every position: [1, 40, 1, d]
         return fuji.apply_rope(jnp.broadcast_to(x, (1, 40, 1, d)), pos, 10000.0)[0, :, 0]
 
@@ -155,37 +173,33 @@ def test_rope_scores_depend_only_on_relative_position():
     np.testing.assert_allclose(rq[0], q, rtol=1e-6)  # position 0: identity
 
 
-def _loss_and_grads(cfg, params, batch):
-    return jax.jit(jax.value_and_grad(fuji.loss_fn, has_aux=True), static_argnums=2)(
-        params, batch, cfg
-    )
-
-
-def test_layer_loops_and_remat_policies_agree():
-    params = fuji.init_params(SMALL, jax.random.key(0))
+def test_layer_loops_and_remat_policies_agree(params):
+    """scan vs unroll: same logits and gradients; every remat policy: same gradients."""
     tokens = _tokens()
     batch = _batch(tokens)
-    np.testing.assert_allclose(
-        fuji.forward(params, tokens, SMALL),
-        fuji.forward(params, tokens, dataclasses.replace(SMALL, layer_loop="unroll")),
-        rtol=1e-5,
-        atol=1e-6,
-    )
-    (ref_loss, _), ref_grads = _loss_and_grads(SMALL, params, batch)
-    assert np.all([np.abs(g).max() > 0 for g in jax.tree.leaves(ref_grads)])
-    for loop, remat in (("unroll", "none"), ("scan", "full"), ("unroll", "save_qkvo")):
-        cfg = dataclasses.replace(SMALL, layer_loop=loop, remat=remat)
-        (loss, _), grads = _loss_and_grads(cfg, params, batch)
+    variants = [("scan", "none"), ("unroll", "none"), ("scan", "full"), ("unroll", "save_qkvo")]
+    cfgs = [dataclasses.replace(SMALL, layer_loop=lp, remat=r) for lp, r in variants]
+
+    @jax.jit  # one compile for all variants
+    def run(p, b):
+        logits = [fuji.forward(p, b["input_ids"], c) for c in cfgs[:2]]
+        return logits, [jax.value_and_grad(fuji.loss_fn, has_aux=True)(p, b, c) for c in cfgs]
+
+    (scan_logits, unroll_logits), results = run(params, batch)
+    np.testing.assert_allclose(unroll_logits, scan_logits, rtol=1e-5, atol=1e-6)
+    (ref_loss, _), ref_grads = results[0]
+    assert all(np.abs(g).max() > 0 for g in jax.tree.leaves(ref_grads))
+    for (loop, remat), ((loss, _), grads) in zip(variants[1:], results[1:], strict=True):
         np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
         for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
             np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-7, err_msg=f"{loop}/{remat}")
 
 
-def test_remat_policies_save_what_they_say(capsys):
+def test_remat_policies_save_what_they_say(params, capsys):
     """save_qkvo keeps the named projections and the context, and no attention scores; full
     keeps none of them."""
     cfg = dataclasses.replace(SMALL, num_layers=1, layer_loop="unroll")
-    params = fuji.init_params(cfg, jax.random.key(0))
+    params = dict(params, layers=jax.tree.map(lambda x: x[:1], params["layers"]))
     batch = _batch(_tokens())
     saved = {}
     for remat in ("full", "save_qkvo"):
@@ -201,35 +215,41 @@ def test_remat_policies_save_what_they_say(capsys):
 
 def test_tiny_config_initial_loss_is_ln_vocab():
     cfg = load_config(TINY).model  # bfloat16 compute, scan, reference remat: as configured
-    params = fuji.init_params(cfg, jax.random.key(0))
+    params = _init(cfg, _key(0))
     tokens = _tokens(key=5, b=8, s=64, vocab=cfg.vocab_size)
-    loss, aux = jax.jit(fuji.loss_fn, static_argnums=2)(params, _batch(tokens), cfg)
+    loss, aux = _loss(params, _batch(tokens), cfg)
     assert abs(float(loss) - math.log(cfg.vocab_size)) < 0.1, float(loss)
     assert float(aux["num_target_tokens"]) == 8 * 64
 
 
-def test_loss_masks_weights_and_empty_rows():
-    params = fuji.init_params(SMALL, jax.random.key(0))
+def test_loss_masks_weights_and_empty_rows(params):
     tokens = _tokens()
     mask = np.ones((B, S), np.float32)
     mask[0, 5:] = 0  # row 0: 5 targets
     mask[1] = 0  # row 1: none
     batch = _batch(tokens, jnp.asarray(mask))
     batch["target_labels"] = jnp.where(mask > 0, batch["target_labels"], -100)  # ignored labels
-    loss, aux = fuji.loss_fn(params, batch, SMALL)
 
-    logits = np.asarray(fuji.forward(params, tokens, SMALL), np.float64)
+    @jax.jit  # one compile
+    def run(p, b):
+        bool_mask = dict(b, target_mask=b["target_mask"] > 0)
+        empty = dict(b, target_mask=jnp.zeros_like(b["target_mask"]))
+        return (
+            fuji.loss_fn(p, b, SMALL),
+            fuji.loss_fn(p, bool_mask, SMALL)[0],
+            jax.value_and_grad(fuji.loss_fn, has_aux=True)(p, empty, SMALL),
+            fuji.forward(p, b["input_ids"], SMALL),
+        )
+
+    (loss, aux), bool_loss, ((loss0, aux0), grads0), logits = run(params, batch)
+    logits = np.asarray(logits, np.float64)
     logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     nll = -np.take_along_axis(logp, np.asarray(jnp.roll(tokens, -1, 1))[..., None], -1)[..., 0]
     np.testing.assert_allclose(loss, nll[0, :5].mean(), rtol=1e-5)
     np.testing.assert_allclose(aux["per_example_loss"], [nll[0, :5].mean(), 0.0], rtol=1e-5)
     assert float(aux["num_target_tokens"]) == 5.0
-
-    bool_batch = dict(batch, target_mask=jnp.asarray(mask > 0))
-    np.testing.assert_allclose(fuji.loss_fn(params, bool_batch, SMALL)[0], loss, rtol=1e-6)
-
-    empty = dict(batch, target_mask=jnp.zeros((B, S), jnp.float32))
-    (loss0, aux0), grads0 = jax.value_and_grad(fuji.loss_fn, has_aux=True)(params, empty, SMALL)
+    np.testing.assert_allclose(bool_loss, loss, rtol=1e-6)
+    # no targets at all: loss 0, zero (finite) gradients
     assert float(loss0) == 0.0 and float(aux0["num_target_tokens"]) == 0.0
     assert np.all(np.asarray(aux0["per_example_loss"]) == 0)
     assert all(np.all(np.asarray(g) == 0) for g in jax.tree.leaves(grads0))
@@ -245,7 +265,7 @@ def _constraint_specs(fn, *args):
         for eqn in jx.eqns:
             if eqn.primitive.name == "sharding_constraint":
                 yield eqn.params["sharding"].spec
-            for sub in jax.core.jaxprs_in_params(eqn.params):
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
                 yield from walk(sub)
 
     return list(walk(jaxpr.jaxpr))
@@ -280,16 +300,15 @@ def test_shard_activation_uses_present_auto_dividing_axes():
         assert _constraint_specs(body, x) == [P("fsdp", None, "model")]
 
 
-def test_sharded_model_matches_unsharded_also_under_a_manual_data_axis():
+def test_sharded_model_matches_unsharded_also_under_a_manual_data_axis(params):
     """trn2 rules on a (data 2, fsdp 2, model 2) mesh: the forward equals the unsharded one, and
     loss gradients taken inside a shard_map manual over "data" (per-shard partial gradients,
     one weighted psum: how the reduce-once accumulation uses the model) equal the full batch's."""
     cfg = dataclasses.replace(SMALL, remat="save_qkvo")
-    params = fuji.init_params(cfg, jax.random.key(0))
     tokens = _tokens(b=8)
     batch = _batch(tokens)
-    expected_logits = fuji.forward(params, tokens, cfg)
-    (_, _), expected_grads = _loss_and_grads(cfg, params, batch)
+    expected_logits = _forward(params, tokens, cfg)
+    (_, _), expected_grads = _value_and_grad(params, batch, cfg)
     mesh = _mesh((2, 2, 2), ("data", "fsdp", "model"))
 
     def local_grads(p, b):
@@ -303,7 +322,7 @@ def test_sharded_model_matches_unsharded_also_under_a_manual_data_axis():
         specs = _constraint_specs(lambda p, t: fuji.forward(p, t, cfg), sharded, tokens)
         assert P(("data", "fsdp"), None, "model", None) in specs  # q/k/v/context: heads on model
         assert P(("data", "fsdp"), None, "model") in specs  # SwiGLU hidden on model
-        logits = jax.jit(fuji.forward, static_argnums=2)(sharded, tokens, cfg)
+        logits = _forward(sharded, tokens, cfg)
         np.testing.assert_allclose(logits, expected_logits, rtol=1e-5, atol=1e-6)
         grads = jax.jit(
             jax.shard_map(

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
+import re
 import sys
 import textwrap
 import time
@@ -24,12 +24,20 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from multiprocess import REPO, cpu_env
-from slurm_cluster import slurm_cluster  # noqa: F401  (fixture)
+from multiprocess import REPO, cpu_env, train_cli, train_losses
+from slurm_cluster import running_cluster
 
 SBATCH = REPO / "launch" / "slurm" / "fuji-3b-trn2.sbatch"
 VENV_BIN = Path(sys.executable).parent
 pytestmark = pytest.mark.xdist_group("slurm")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """slurmctld + slurmd on localhost for this module (tests/slurm_cluster.py)."""
+    with running_cluster() as c:
+        yield c
+
 
 # Stands in for `trn-accum train`: same arguments, same exit codes (75 after SIGTERM).
 PROBE = textwrap.dedent(
@@ -126,11 +134,11 @@ def wait_for(pred, timeout: float, what: str) -> None:
     raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
-def test_sbatch_two_ranks_jax_distributed(slurm_cluster, tmp_path):  # noqa: F811
+def test_sbatch_two_ranks_jax_distributed(cluster, tmp_path):
     run = tmp_path / "run"
-    job = sbatch(slurm_cluster, tmp_path, job_env(tmp_path, run), "--mode", "psum", wait=True)
-    assert slurm_cluster.job_field(job, "JobState") == "COMPLETED"
-    assert slurm_cluster.job_field(job, "ExitCode") == "0:0"
+    job = sbatch(cluster, tmp_path, job_env(tmp_path, run), "--mode", "psum", wait=True)
+    assert cluster.job_field(job, "JobState") == "COMPLETED"
+    assert cluster.job_field(job, "ExitCode") == "0:0"
     for rank in (0, 1):
         r = results(run / "logs" / f"{job}-r0-{rank}.log")  # one log per rank
         assert r == {
@@ -157,57 +165,130 @@ def _batch_log(tmp_path: Path, job: str) -> str:
     return (tmp_path / f"batch-{job}.out").read_text()
 
 
-def test_requeue_restarts_every_rank(slurm_cluster, tmp_path):  # noqa: F811
-    job, run = _submit_waiting_job(slurm_cluster, tmp_path)
-    slurm_cluster.run("scontrol", "requeue", job)
-    slurm_cluster.wait_state(job, ["PENDING"], 60)
-    slurm_cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")
-    slurm_cluster.wait_state(job, ["COMPLETED"], 60)
+def test_requeue_restarts_every_rank(cluster, tmp_path):
+    job, run = _submit_waiting_job(cluster, tmp_path)
+    cluster.run("scontrol", "requeue", job)
+    cluster.wait_state(job, ["PENDING"], 60)
+    cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")
+    cluster.wait_state(job, ["COMPLETED"], 60)
     assert sorted((run / "starts").read_text().split("\n")[:-1]) == ["0 0", "0 1", "1 0", "1 1"]
     for rank in (0, 1):
         assert (run / f"term.{rank}.0").read_text().strip() == "1"  # SIGTERM seen, once
         assert results(run / "logs" / f"{job}-r1-{rank}.log")["start"] == 1
-    assert slurm_cluster.job_field(job, "Restarts") == "1"
+    assert cluster.job_field(job, "Restarts") == "1"
     log = _batch_log(tmp_path, job)
     assert "start 0: srun exited 75" in log and "start 1: srun exited 0" in log
     assert "requeueing" not in log  # Slurm requeued it, not the script
 
 
-def test_time_limit_signal_makes_the_script_requeue(slurm_cluster, tmp_path):  # noqa: F811
-    job, run = _submit_waiting_job(slurm_cluster, tmp_path)
+def test_time_limit_signal_makes_the_script_requeue(cluster, tmp_path):
+    job, run = _submit_waiting_job(cluster, tmp_path)
     # --signal=TERM@120 signals the job steps only; scancel --signal does the same now.
-    slurm_cluster.run("scancel", "--signal=TERM", job)
-    slurm_cluster.wait_state(job, ["PENDING"], 60)
-    slurm_cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")
-    slurm_cluster.wait_state(job, ["COMPLETED"], 60)
+    cluster.run("scancel", "--signal=TERM", job)
+    cluster.wait_state(job, ["PENDING"], 60)
+    cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")
+    cluster.wait_state(job, ["COMPLETED"], 60)
     assert "saved on the time-limit signal: requeueing" in _batch_log(tmp_path, job)
     assert sorted((run / "starts").read_text().split("\n")[:-1]) == ["0 0", "0 1", "1 0", "1 1"]
-    assert slurm_cluster.job_field(job, "Restarts") == "1"
+    assert cluster.job_field(job, "Restarts") == "1"
 
 
-def test_scancel_does_not_requeue(slurm_cluster, tmp_path):  # noqa: F811
-    job, run = _submit_waiting_job(slurm_cluster, tmp_path)
-    slurm_cluster.run("scancel", job)
-    slurm_cluster.wait_state(job, ["CANCELLED"], 60)
+def test_scancel_does_not_requeue(cluster, tmp_path):
+    job, run = _submit_waiting_job(cluster, tmp_path)
+    cluster.run("scancel", job)
+    cluster.wait_state(job, ["CANCELLED"], 60)
     wait_for(lambda: "srun exited" in _batch_log(tmp_path, job), 30, "the batch script to end")
     for rank in (0, 1):
         assert (run / f"term.{rank}.0").read_text().strip() == "1"
     assert "requeueing" not in _batch_log(tmp_path, job)
     time.sleep(1)
-    assert slurm_cluster.job_field(job, "JobState") == "CANCELLED"
+    assert cluster.job_field(job, "JobState") == "CANCELLED"
     assert len((run / "starts").read_text().split("\n")[:-1]) == 2
 
 
 # ----------------------------------------------------------------------------- the trainer
 
+# 10 steps: 2 processes and 1 process agree to ~1e-7 here; over more steps bf16 rounding
+# differences grow (measured: 1e-5 by step 16), so longer runs are compared on one topology.
+STEPS = 10
+TRAIN_ARGS = [
+    "--set",
+    f"trainer.steps={STEPS}",
+    "--set",
+    "trainer.log_every=1",
+    "--set",
+    "trainer.eval_every=1000",
+    "--set",
+    "checkpoint.every=1000",  # the only mid-run checkpoint is the preemption save
+]
 
-def _losses(run_dir: Path) -> dict[int, float]:
-    out = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        if rec.get("kind") == "train":
-            out[int(rec["step"])] = float(rec["loss"])
-    return out
+
+def trainer_env(tmp: Path, run_dir: Path) -> dict[str, str]:
+    env = job_env(tmp, run_dir)
+    del env["TRN_ACCUM_TRAIN"]  # the real `trn-accum train`
+    return env
 
 
-_ = (subprocess, np)
+@pytest.fixture(scope="module")
+def reference_losses(tmp_path_factory) -> dict[int, float]:
+    """The tiny config (CPU mode's default) on 1 process x 8 CPU devices."""
+    run = tmp_path_factory.mktemp("reference")
+    args = ["--config", "configs/fuji-tiny.toml", *TRAIN_ARGS, "--run-dir", str(run)]
+    out = train_cli(args, devices=8)
+    assert out.returncode == 0, out.stderr[-3000:]
+    losses = train_losses(run)
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    return losses
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(cluster, tmp_path_factory):
+    """The project's sbatch in CPU mode, 2 tasks x 4 devices, run to the end: (job, tmp)."""
+    tmp = tmp_path_factory.mktemp("uninterrupted")
+    job = sbatch(cluster, tmp, trainer_env(tmp, tmp / "run"), *TRAIN_ARGS, wait=True)
+    return job, tmp
+
+
+def assert_same_losses(got: dict[int, float], want: dict[int, float]) -> None:
+    assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))
+    np.testing.assert_allclose([got[s] for s in want], list(want.values()), rtol=1e-6, atol=0)
+
+
+@pytest.mark.slow  # compiles the tiny train step: 1 process, then 2 ranks
+def test_sbatch_trains_with_the_losses_of_one_process(cluster, uninterrupted, reference_losses):
+    job, tmp = uninterrupted
+    run = tmp / "run"
+    assert cluster.job_field(job, "JobState") == "COMPLETED"
+    logs = [run / "logs" / f"{job}-r0-{rank}.log" for rank in (0, 1)]
+    assert all(p.exists() for p in logs)  # one log per rank
+    assert f"done: step {STEPS}" in logs[0].read_text()
+    assert_same_losses(train_losses(run), reference_losses)
+
+
+@pytest.mark.slow  # two starts of a 2-rank training job
+def test_sbatch_preempted_run_resumes_to_the_same_final_loss(
+    cluster, tmp_path, uninterrupted, reference_losses
+):
+    run = tmp_path / "run"
+    job = sbatch(cluster, tmp_path, trainer_env(tmp_path, run), *TRAIN_ARGS)
+    metrics = run / "metrics.jsonl"
+    wait_for(lambda: metrics.exists() and metrics.read_text().strip(), 600, "a training step")
+    cluster.run("scontrol", "requeue", job)  # preemption: SIGTERM to every rank
+    cluster.wait_state(job, ["PENDING"], 120)
+    cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")
+    cluster.wait_state(job, ["COMPLETED"], 900)
+
+    batch = _batch_log(tmp_path, job)
+    assert "start 0: srun exited 75" in batch, batch  # saved on SIGTERM, then exit 75
+    assert "start 1: srun exited 0" in batch, batch
+    first = (run / "logs" / f"{job}-r0-0.log").read_text()
+    second = (run / "logs" / f"{job}-r1-0.log").read_text()
+    assert "preempted (signal 15)" in first, first
+    m = re.search(r"resumed from .* \(step (\d+)\)", second)
+    assert m and 1 <= int(m.group(1)) < STEPS, second  # mid-run, from the preemption save
+    got = train_losses(run)
+    job0, tmp0 = uninterrupted
+    whole = train_losses(tmp0 / "run")
+    assert got[STEPS] == pytest.approx(whole[STEPS], rel=1e-6)  # the same final loss
+    assert_same_losses(got, whole)
+    assert_same_losses(got, reference_losses)

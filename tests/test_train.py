@@ -34,6 +34,7 @@ def tiny_k4():
     return train.Trainer.build(load_config(TINY, F32 + ["trainer.accum_steps=4"]))
 
 
+@pytest.mark.xdist_group("trn_train_tiny_k4")
 def test_accum_1_vs_4_same_loss_curve(tiny_k4):
     """Same global batch, k = 1 vs 4, float32: the same trajectory over 10 steps."""
     k1 = train.Trainer.build(load_config(TINY, F32 + ["trainer.accum_steps=1"]))
@@ -50,6 +51,7 @@ def test_accum_1_vs_4_same_loss_curve(tiny_k4):
         np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6)
 
 
+@pytest.mark.xdist_group("trn_train_tiny_k4")
 def test_nonfinite_step_is_skipped_and_counted(tiny_k4):
     state = tiny_k4.init()
     bad_params = dict(state["params"], final_norm=state["params"]["final_norm"].at[0].set(jnp.nan))
@@ -67,6 +69,7 @@ def test_nonfinite_step_is_skipped_and_counted(tiny_k4):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.xdist_group("trn_train_tiny_k4")
 def test_compiled_step_no_conditional_donated_and_sharded(tiny_k4):
     state = train.restore_target(tiny_k4.abstract, tiny_k4.state_shardings)
     batch = train.abstract_batch(tiny_k4.cfg, tiny_k4.mesh)
@@ -91,13 +94,13 @@ def test_compiled_step_no_conditional_donated_and_sharded(tiny_k4):
 
 
 def test_tiny_run_in_process_trains_and_checkpoints(tmp_path):
-    """The loop end to end (checkpoints, eval, metrics.jsonl); 40 steps in-process."""
+    """The loop end to end (checkpoints, eval, metrics.jsonl); 24 steps in-process."""
     rc = train.run(
         TINY,
         overrides=[
-            "trainer.steps=40",
-            "trainer.eval_every=20",
-            "checkpoint.every=20",
+            "trainer.steps=24",
+            "trainer.eval_every=12",
+            "checkpoint.every=12",
             "checkpoint.keep=2",
         ],
         run_dir=str(tmp_path),
@@ -106,17 +109,17 @@ def test_tiny_run_in_process_trains_and_checkpoints(tmp_path):
     recs = read_metrics(tmp_path)
     tr = [r for r in recs if r["kind"] == "train"]
     ev = [r for r in recs if r["kind"] == "eval"]
-    assert [r["step"] for r in tr] == list(range(1, 41))
-    assert [r["step"] for r in ev] == [20, 40]
-    assert tr[-1]["loss"] < 0.6 * tr[0]["loss"], (tr[0]["loss"], tr[-1]["loss"])
+    assert [r["step"] for r in tr] == list(range(1, 25))
+    assert [r["step"] for r in ev] == [12, 24]
+    assert tr[-1]["loss"] < 0.7 * tr[0]["loss"], (tr[0]["loss"], tr[-1]["loss"])
     assert ev[1]["eval_loss"] < ev[0]["eval_loss"]
     assert tr[0]["lr"] == 0.0 and tr[10]["lr"] == pytest.approx(3e-3, rel=1e-3)  # warmup 10
     for key in ("grad_norm", "tokens_per_s", "step_time_s", "skipped_steps"):
         assert key in tr[-1]
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["20", "40"]
-    assert json.loads((tmp_path / "config.json").read_text())["trainer"]["steps"] == 40
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["12", "24"]
+    assert json.loads((tmp_path / "config.json").read_text())["trainer"]["steps"] == 24
     # Running again resumes at the end: nothing to do, nothing lost.
-    assert train.run(TINY, overrides=["trainer.steps=40"], run_dir=str(tmp_path)) == 0
+    assert train.run(TINY, overrides=["trainer.steps=24"], run_dir=str(tmp_path)) == 0
     assert len(read_metrics(tmp_path)) == len(recs)
 
 
@@ -142,3 +145,38 @@ def test_mesh_and_batch_errors(overrides, match):
     with pytest.raises(train.TrainError, match=match):
         mesh = train.make_mesh(cfg)
         train.check_batch(cfg, mesh)
+
+
+def test_metrics_logger_console_modes_and_truncation(tmp_path):
+    import io
+
+    from trn_accum.metrics import MetricsLogger, format_line, truncate_metrics
+
+    plain = io.StringIO()
+    with MetricsLogger(tmp_path, total_steps=25, log_every=10, console=plain) as log:
+        assert not log.progress  # StringIO is not a terminal: plain lines
+        for s in range(1, 26):
+            log.log_train(s, {"loss": 1.0 / s, "grad_norm": 0.5, "lr": 1e-3, "extra": 2})
+        log.log_eval(20, {"eval_loss": 0.25})
+    lines = plain.getvalue().splitlines()
+    assert [ln.split()[1] for ln in lines if ln.startswith("step")] == [
+        "1/25", "10/25", "20/25", "25/25"]  # fmt: skip
+    assert "eval at step 20: eval_loss 0.2500" in lines
+    assert "loss 0.1000" in format_line(10, 25, {"loss": 0.1})
+
+    bar = io.StringIO()
+    with MetricsLogger(tmp_path / "b", total_steps=3, console=bar, progress=True) as log:
+        for s in (1, 2, 3):
+            log.log_train(s, {"loss": float("nan")})
+    assert bar.getvalue().count("\r[") == 3 and bar.getvalue().endswith("\n")
+    assert read_metrics(tmp_path / "b")[0]["loss"] == "nan"  # JSON has no NaN literal
+
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 26, "kind": "tr')  # a torn last line (killed mid-write)
+    assert len(read_metrics(tmp_path)) == 26
+    truncate_metrics(tmp_path, 12)
+    assert [r["step"] for r in read_metrics(tmp_path)] == list(range(1, 13))
+    silent = io.StringIO()
+    with MetricsLogger(tmp_path / "c", total_steps=1, enabled=False, console=silent) as log:
+        log.log_train(1, {"loss": 1.0})
+    assert silent.getvalue() == "" and not (tmp_path / "c").exists()

@@ -16,6 +16,9 @@ full-batch loss is Σ w_i L_i / Σ w_i, and so are the gradients; a mean of mini
 wrong when the w_i differ. Zero-weight minibatches are dropped by selection (`jnp.where`), not by
 multiplication, so a NaN loss of an all-padding minibatch (0/0) does not leak (0 * NaN = NaN).
 
+`reduce="once"` moves the loop into a `shard_map` manual over the pure data-parallel axes and
+reduces the sums once after it (see `accumulate_gradients`).
+
 Everything it emits is static: a fixed-length `lax.scan` or straight-line code, no `lax.cond`,
 no host callbacks, no data-dependent loop bounds (Neuron constraints).
 
@@ -25,6 +28,7 @@ Imports JAX (and numpy/stdlib) only.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -36,10 +40,11 @@ from jax.sharding import PartitionSpec as P
 
 from trn_accum import sharding as shd
 
-__all__ = ["AUX_REDUCTIONS", "LOOPS", "accumulate_gradients"]
+__all__ = ["AUX_REDUCTIONS", "LOOPS", "REDUCES", "accumulate_gradients"]
 
 AUX_REDUCTIONS = ("mean", "sum", "max", "min", "concat")
 LOOPS = ("scan", "unroll")
+REDUCES = ("per_minibatch", "once")
 
 _NO_DTYPE = object()
 
@@ -60,6 +65,7 @@ class _Options:
     rng_argnum: int | None
     grad_dtype: Any
     loop: str
+    reduce: str
 
 
 def accumulate_gradients(
@@ -75,6 +81,7 @@ def accumulate_gradients(
     rng_argnum: int | None = None,
     grad_dtype: Any = jnp.float32,
     loop: str = "scan",
+    reduce: str = "per_minibatch",
 ) -> Callable:
     """Wrap `loss_fn(params, batch, *args)` into `grad_fn(params, batch, *args)` that returns
     `(loss, grads)` (or `((loss, aux), grads)` with `has_aux`) as `jax.value_and_grad` does on
@@ -108,6 +115,16 @@ def accumulate_gradients(
         is float32 regardless.
       loop: "scan" (fixed-length `lax.scan`: memory of one minibatch) or "unroll" (a Python
         loop: every slice static, nothing stacked at a loop index). Same numbers.
+      reduce: "per_minibatch" (default: XLA reduces every minibatch's gradient across devices)
+        or "once": over the pure data-parallel mesh axes (the leading axes of the batch
+        sharding that no `param_specs` entry uses) each device accumulates its local
+        contributions in a `shard_map` manual over those axes, and one psum runs after the
+        loop; axes that shard parameters (fsdp) keep their per-minibatch reduction. Same
+        numbers (each device's share of a minibatch is weighted by its own `weight_fn`, so
+        `weight_fn` must be additive over rows, like a token count). Inside that region,
+        activation constraints must not name the manual axes: use
+        `trn_accum.sharding.constrain`, which drops them. With `rng_argnum`, minibatch i on
+        manual-axes index j gets `fold_in(fold_in(key, i), j)`.
 
     Returns:
       grad_fn(params, batch, *args). Shapes are checked at trace time: ValueErrors name the
@@ -116,6 +133,8 @@ def accumulate_gradients(
     steps = shd.validate_steps(steps)
     if loop not in LOOPS:
         raise ValueError(f"loop={loop!r} must be one of {LOOPS}")
+    if reduce not in REDUCES:
+        raise ValueError(f"reduce={reduce!r} must be one of {REDUCES}")
     if rng_argnum is not None and (
         isinstance(rng_argnum, bool) or not isinstance(rng_argnum, int) or rng_argnum < 2
     ):
@@ -145,6 +164,7 @@ def accumulate_gradients(
         rng_argnum=rng_argnum,
         grad_dtype=_NO_DTYPE if grad_dtype is None else jnp.dtype(grad_dtype),
         loop=loop,
+        reduce=reduce,
     )
 
     def grad_fn(params, batch, *args):
@@ -167,69 +187,131 @@ def _has_bare_specs(tree: Any) -> bool:
 
 
 def _accumulate(opts: _Options, params: Any, batch: Any, args: tuple) -> Any:
-    k = opts.steps
-    mesh = opts.mesh
+    k, mesh = opts.steps, opts.mesh
     batch_size, specs = shd.validate_batch(batch, k, mesh=mesh, batch_spec=opts.batch_spec)
     if opts.rng_argnum is not None and opts.rng_argnum - 2 >= len(args):
         raise ValueError(
             f"rng_argnum={opts.rng_argnum} but grad_fn got {2 + len(args)} positional "
             "arguments (params, batch, *args)"
         )
-    leaves, treedef = jax.tree.flatten(batch)
-    stacked = jax.tree.unflatten(
-        treedef,
-        [shd._split_leaf(x, k, mesh, s) for x, s in zip(leaves, specs, strict=True)],
-    )
-    grad_shardings = _param_shardings(opts, params)
-
-    def constrain_minibatch(mb):
-        mb_leaves = jax.tree.leaves(mb)
-        return jax.tree.unflatten(
-            treedef,
-            [shd._constrain(x, mesh, s) for x, s in zip(mb_leaves, specs, strict=True)],
-        )
+    grad_specs = _param_specs(opts, params)
+    manual = _reduce_once_axes(opts, specs, grad_specs) if opts.reduce == "once" else ()
 
     def constrain_grads(g):
-        if grad_shardings is None:
+        if grad_specs is None:
             return g
-        return jax.tree.map(
-            lambda x, s: x if s is None else jax.lax.with_sharding_constraint(x, s),
-            g,
-            grad_shardings,
+        leaves, treedef = jax.tree.flatten(g)
+        out = [
+            x if ms is None else shd.constrain(x, ms[0], ms[1])
+            for x, ms in zip(leaves, grad_specs, strict=True)
+        ]
+        return jax.tree.unflatten(treedef, out)
+
+    aux_shape = reductions = None
+    if opts.has_aux:
+        # Aux structure and reductions, from shapes alone (one abstract trace of loss_fn),
+        # before the loop: carries need them.
+        mb0 = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct((x.shape[0] // k, *x.shape[1:]), x.dtype), batch
+        )
+        _, aux_shape = jax.eval_shape(
+            functools.partial(_loss_with_aux, opts), params, mb0, *_minibatch_args(opts, args, 0)
+        )
+        reductions = _aux_reductions(opts, aux_shape, batch_size // k, k)
+    acc = _Accumulator(reductions, aux_shape, constrain_grads)
+    example_axes = specs[0][0] if mesh is not None and len(specs[0]) else None
+
+    def local(params, batch, args, specs, vary):
+        state, stacked_aux, loss_dtype = _loop(opts, acc, params, batch, args, specs, vary)
+        return acc.finish(state, stacked_aux, loss_dtype, mesh, P(example_axes), vary)
+
+    if not manual:
+        loss, aux, grads = local(params, batch, args, specs, ())
+    else:
+        # reduce="once": manual over the pure data-parallel axes; each device accumulates its
+        # local contributions, one psum after the loop (inside `finish`).
+        m_entry = manual[0] if len(manual) == 1 else tuple(manual)
+        inner_specs = [shd.drop_axes(s, manual) for s in specs]
+        b_leaves, b_def = jax.tree.flatten(batch)
+        batch_in = jax.tree.unflatten(b_def, [P(m_entry)] * len(b_leaves))
+        aux_out = (
+            None
+            if aux_shape is None
+            else jax.tree.map(lambda r: P(m_entry) if r == "concat" else P(), reductions)
         )
 
-    def minibatch_args(i):
-        if opts.rng_argnum is None:
-            return args
-        j = opts.rng_argnum - 2
-        return args[:j] + (jax.random.fold_in(args[j], i),) + args[j + 1 :]
+        def body(params, batch, *args):
+            params = jax.tree.map(lambda p: jax.lax.pcast(p, manual, to="varying"), params)
+            return local(params, batch, args, inner_specs, manual)
 
-    def loss_with_aux(p, mb, *a):
-        out = opts.loss_fn(p, mb, *a)
-        if opts.has_aux:
-            if not (isinstance(out, (tuple, list)) and len(out) == 2):
-                raise ValueError(
-                    "has_aux=True but loss_fn did not return a (loss, aux) pair: got "
-                    f"{type(out).__name__}"
-                )
-            return out[0], out[1]
-        return out, None
+        try:
+            loss, aux, grads = jax.shard_map(
+                body,
+                mesh=mesh,
+                in_specs=(P(), batch_in, *([P()] * len(args))),
+                out_specs=(P(), aux_out, P()),
+                axis_names=set(manual),
+            )(params, batch, *args)
+        except ValueError as e:
+            if "manual_axis_type" not in str(e):
+                raise
+            raise ValueError(
+                f'reduce="once" runs loss_fn manual over mesh axes {manual}: a sharding '
+                "constraint inside loss_fn names them or uses the concrete mesh; use "
+                "trn_accum.sharding.constrain(x, mesh, spec), which drops manual axes "
+                f"(JAX said: {str(e).splitlines()[0]})"
+            ) from e
 
-    vg = jax.value_and_grad(loss_with_aux, has_aux=True)
+    def out_dtype(p):
+        return jnp.result_type(p) if opts.grad_dtype is _NO_DTYPE else opts.grad_dtype
 
-    # Aux structure and reductions, decided before the loop from shapes alone (one abstract
-    # trace of loss_fn, only when there is aux to set up carries for).
-    aux_shape = reductions = None
-    loss_dtype = []  # filled while the loop body is traced
+    grads = constrain_grads(jax.tree.map(lambda g, p: g.astype(out_dtype(p)), grads, params))
+    return ((loss, aux), grads) if opts.has_aux else (loss, grads)
+
+
+def _loss_with_aux(opts: _Options, p, mb, *a):
+    out = opts.loss_fn(p, mb, *a)
     if opts.has_aux:
-        mb0 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), stacked)
-        _, aux_shape = jax.eval_shape(loss_with_aux, params, mb0, *minibatch_args(0))
-        reductions = _aux_reductions(opts, aux_shape, batch_size // k, k)
+        if not (isinstance(out, (tuple, list)) and len(out) == 2):
+            raise ValueError(
+                f"has_aux=True but loss_fn did not return a (loss, aux) pair: got "
+                f"{type(out).__name__}"
+            )
+        return out[0], out[1]
+    return out, None
+
+
+def _minibatch_args(opts: _Options, args: tuple, i, vary: tuple[str, ...] = ()) -> tuple:
+    """args with the PRNG key (if any) folded with the minibatch index (and, inside the manual
+    region of reduce="once", with the device's index along the manual axes)."""
+    if opts.rng_argnum is None:
+        return args
+    j = opts.rng_argnum - 2
+    key = jax.random.fold_in(args[j], i)
+    if vary:
+        key = jax.random.fold_in(key, jax.lax.axis_index(vary))
+    return args[:j] + (key,) + args[j + 1 :]
+
+
+def _loop(opts, acc, params, batch, args, specs, vary):
+    """Run the k minibatches; returns (accumulator state, stacked per-example aux, loss dtype).
+
+    Shapes here are global, or per-device along the manual axes `vary` (reduce="once")."""
+    k, mesh = opts.steps, opts.mesh
+    leaves, treedef = jax.tree.flatten(batch)
+    stacked = jax.tree.unflatten(
+        treedef, [shd._split_leaf(x, k, mesh, s) for x, s in zip(leaves, specs, strict=True)]
+    )
+    vg = jax.value_and_grad(functools.partial(_loss_with_aux, opts), has_aux=True)
+    loss_dtype = []  # filled while the body is traced
 
     def one_minibatch(mb, i):
         """(loss_i, aux_i, grads_i float32, w_i) of minibatch i; grads constrained."""
-        mb = constrain_minibatch(mb)
-        (loss_i, aux_i), g_i = vg(params, mb, *minibatch_args(i))
+        mb = jax.tree.unflatten(
+            treedef,
+            [shd.constrain(x, mesh, s) for x, s in zip(jax.tree.leaves(mb), specs, strict=True)],
+        )
+        (loss_i, aux_i), g_i = vg(params, mb, *_minibatch_args(opts, args, i, vary))
         loss_dtype.append(jnp.result_type(loss_i))
         w_i = (
             jnp.asarray(opts.weight_fn(mb), jnp.float32)
@@ -238,42 +320,31 @@ def _accumulate(opts: _Options, params: Any, batch: Any, args: tuple) -> Any:
         )
         if np.shape(w_i) != ():
             raise ValueError(f"weight_fn must return a scalar, got shape {np.shape(w_i)}")
-        g_i = constrain_grads(jax.tree.map(lambda g: g.astype(jnp.float32), g_i))
+        g_i = acc.constrain_grads(jax.tree.map(lambda g: g.astype(jnp.float32), g_i))
         return loss_i, aux_i, g_i, w_i
 
-    acc = _Accumulator(reductions, aux_shape, constrain_grads)
     state = acc.init(params)
+    if vary:  # carries hold per-device partial sums
+        state = jax.tree.map(lambda x: jax.lax.pcast(x, vary, to="varying"), state)
     if opts.loop == "scan":
 
         def body(carry, xs):
             mb, i = xs
-            loss_i, aux_i, g_i, w_i = one_minibatch(mb, i)
-            carry, per_example = acc.add(carry, loss_i, aux_i, g_i, w_i)
-            return carry, per_example
+            return acc.add(carry, *one_minibatch(mb, i))
 
         state, stacked_aux = jax.lax.scan(body, state, (stacked, jnp.arange(k)), length=k)
     else:
         pieces = []
         for i in range(k):
             mb = jax.tree.map(lambda x, i=i: x[i], stacked)
-            loss_i, aux_i, g_i, w_i = one_minibatch(mb, i)
-            state, per_example = acc.add(state, loss_i, aux_i, g_i, w_i)
+            state, per_example = acc.add(state, *one_minibatch(mb, i))
             pieces.append(per_example)
-        stacked_aux = jax.tree.map(lambda *xs: jnp.stack(xs), *pieces) if pieces else None
-
-    example_spec = P(specs[0][0]) if mesh is not None and len(specs[0]) else None
-    loss, aux, grads = acc.finish(state, stacked_aux, loss_dtype[0], mesh, example_spec)
-
-    def out_dtype(p):
-        return jnp.result_type(p) if opts.grad_dtype is _NO_DTYPE else opts.grad_dtype
-
-    grads = jax.tree.map(lambda g, p: g.astype(out_dtype(p)), grads, params)
-    grads = constrain_grads(grads)
-    return ((loss, aux), grads) if opts.has_aux else (loss, grads)
+        stacked_aux = jax.tree.map(lambda *xs: jnp.stack(xs), *pieces)
+    return state, stacked_aux, loss_dtype[0]
 
 
-def _param_shardings(opts: _Options, params: Any) -> Any:
-    """A tree like params whose leaves are NamedShardings (or None = unconstrained)."""
+def _param_specs(opts: _Options, params: Any) -> list | None:
+    """Per parameter leaf (jax.tree.leaves order): (mesh, PartitionSpec) or None."""
     if opts.param_specs is None:
         return None
     try:
@@ -281,21 +352,48 @@ def _param_shardings(opts: _Options, params: Any) -> Any:
     except ValueError as e:
         raise ValueError(f"param_specs must be a pytree prefix of params: {e}") from None
 
-    def to_sharding(path, spec, p):
-        if spec is None or isinstance(spec, NamedSharding):
-            return spec
-        shd.check_spec_axes(spec, opts.mesh, what=f"param_specs{jax.tree_util.keystr(path)}")
+    def one(path, spec, p):
+        where = f"param_specs{jax.tree_util.keystr(path)}"
+        if spec is None:
+            return None
+        mesh = opts.mesh
+        if isinstance(spec, NamedSharding):
+            mesh, spec = spec.mesh, spec.spec
+        shd.check_spec_axes(spec, mesh, what=where)
         if len(spec) > np.ndim(p):
             raise ValueError(
-                f"param_specs{jax.tree_util.keystr(path)} = {spec} has more entries than the "
-                f"parameter's rank {np.ndim(p)} (shape {np.shape(p)})"
+                f"{where} = {spec} has more entries than the parameter's rank {np.ndim(p)} "
+                f"(shape {np.shape(p)})"
             )
-        return NamedSharding(opts.mesh, spec)
+        return (mesh, spec)
 
     specs = jax.tree.leaves(full, is_leaf=_is_sharding_leaf)
-    p_flat, p_def = jax.tree.flatten_with_path(params)
-    out = [to_sharding(path, s, p) for (path, p), s in zip(p_flat, specs, strict=True)]
-    return jax.tree.unflatten(p_def, out)
+    p_flat, _ = jax.tree.flatten_with_path(params)
+    return [one(path, s, p) for (path, p), s in zip(p_flat, specs, strict=True)]
+
+
+def _reduce_once_axes(opts: _Options, specs: list[P], grad_specs: list | None) -> tuple:
+    """The pure data-parallel axes for reduce="once": the leading mesh axes of the batch
+    dimension's sharding (the same for every batch leaf) that no parameter spec uses."""
+    if opts.mesh is None:
+        return ()
+    entries = {tuple(shd._spec_axes(s[0])) if len(s) else () for s in specs}
+    if len(entries) != 1:
+        raise ValueError(
+            f'reduce="once" needs every batch leaf sharded the same way on axis 0, got {entries}'
+        )
+    batch_axes = next(iter(entries))
+    used = set()
+    for ms in grad_specs or ():
+        if ms is not None:
+            for entry in ms[1]:
+                used.update(shd._spec_axes(entry))
+    manual = []
+    for axis in batch_axes:
+        if axis in used:
+            break
+        manual.append(axis)
+    return tuple(manual)
 
 
 # ----------------------------------------------------------------------------- aux
@@ -424,14 +522,29 @@ class _Accumulator:
             new_aux.append(carry)
         return {"loss": loss, "weight": weight, "grads": grads, "aux": new_aux}, per_example
 
-    def finish(self, state: dict, stacked_aux, loss_dtype, mesh, example_spec):
+    def finish(self, state: dict, stacked_aux, loss_dtype, mesh, example_spec, psum_axes=()):
+        """Divide the sums (after one reduction over `psum_axes`, for reduce="once")."""
+        aux_flat, treedef = self._aux_flat()
+        if psum_axes:
+            state = dict(state)
+            for key in ("loss", "weight", "grads"):
+                state[key] = jax.lax.psum(state[key], psum_axes)
+            reduced = []
+            for (red, _), carry in zip(aux_flat, state["aux"], strict=True):
+                if red in ("mean", "sum"):
+                    carry = jax.lax.psum(carry, psum_axes)
+                elif red == "max":
+                    carry = jax.lax.pmax(carry, psum_axes)
+                elif red == "min":
+                    carry = jax.lax.pmin(carry, psum_axes)
+                reduced.append(carry)
+            state["aux"] = reduced
         total = state["weight"]
         nonzero = total != 0
         safe = jnp.where(nonzero, total, 1.0)
         loss = jnp.where(nonzero, state["loss"] / safe, 0.0).astype(loss_dtype)
         grads = jax.tree.map(lambda a: jnp.where(nonzero, a / safe, 0.0), state["grads"])
         grads = self.constrain_grads(grads)
-        aux_flat, treedef = self._aux_flat()
         if treedef is None:
             return loss, None, grads
         out = []
@@ -440,8 +553,7 @@ class _Accumulator:
             if red == "concat":
                 ys = next(per_example)  # [k, B/k, ...]
                 merged = shd.merge_minibatches(ys).astype(s.dtype)
-                if example_spec is not None:
-                    merged = shd._constrain(merged, mesh, shd.cut_spec(example_spec, merged.ndim))
+                merged = shd.constrain(merged, mesh, shd.cut_spec(example_spec, merged.ndim))
                 out.append(merged)
             elif red == "mean":
                 out.append(jnp.where(nonzero, carry / safe.astype(carry.dtype), 0).astype(s.dtype))

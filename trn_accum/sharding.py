@@ -17,7 +17,7 @@ Imports JAX (and numpy/stdlib) only.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -30,6 +30,9 @@ __all__ = [
     "build_mesh",
     "check_auto_mesh",
     "check_spec_axes",
+    "constrain",
+    "drop_axes",
+    "manual_axes",
     "cut_spec",
     "leaf_specs",
     "merge_minibatches",
@@ -222,10 +225,40 @@ def validate_batch(
 # ----------------------------------------------------------------------------- split / merge
 
 
-def _constrain(x: jax.Array, mesh: Mesh | None, spec: P) -> jax.Array:
+def manual_axes() -> frozenset[str]:
+    """Mesh axes that are Manual where this is traced (inside a `jax.shard_map` body)."""
+    am = jax.sharding.get_abstract_mesh()
+    types = getattr(am, "axis_types", ()) or ()
+    return frozenset(n for n, t in zip(am.axis_names, types, strict=False) if t == AxisType.Manual)
+
+
+def drop_axes(spec: P | None, axes: Collection[str]) -> P:
+    """`spec` without the named mesh axes (an entry left empty becomes None)."""
+    out = []
+    for entry in _as_spec(spec):
+        if isinstance(entry, (tuple, list)):
+            kept = tuple(a for a in entry if a not in axes)
+            out.append(kept if len(kept) > 1 else (kept[0] if kept else None))
+        else:
+            out.append(None if entry in axes else entry)
+    return P(*out)
+
+
+def constrain(x: jax.Array, mesh: Mesh | None, spec: P | None) -> jax.Array:
+    """`with_sharding_constraint(x, NamedSharding(mesh, spec))` that also works inside a
+    partially manual `shard_map` (e.g. `accumulate_gradients(..., reduce="once")`): there the
+    manual axes are dropped from `spec` and the constraint refers to the context mesh. Models
+    should use it for their activation constraints so they run in both modes. No-op when
+    `mesh` is None."""
     if mesh is None:
         return x
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+    manual = manual_axes()
+    if manual:
+        return jax.lax.with_sharding_constraint(x, drop_axes(spec, manual))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, _as_spec(spec)))
+
+
+_constrain = constrain
 
 
 def _split_leaf(x: jax.Array, steps: int, mesh: Mesh | None, spec: P) -> jax.Array:

@@ -185,7 +185,6 @@ def _loss(cfg: Config):
 def make_train_step(cfg: Config, mesh, tx, lr_fn, specs, state_shardings):
     """jit(step)(state, batch) -> (state, metrics); state donated, shardings explicit."""
     k = cfg.trainer.accum_steps
-    extra = {} if cfg.trainer.reduce == "per_minibatch" else {"reduce": cfg.trainer.reduce}
     grad_fn = accumulate_gradients(
         _loss(cfg),
         steps=k,
@@ -196,7 +195,7 @@ def make_train_step(cfg: Config, mesh, tx, lr_fn, specs, state_shardings):
         has_aux=True,
         aux_reduction=AUX_REDUCTION,
         loop=cfg.trainer.loop,
-        **extra,
+        reduce=cfg.trainer.reduce,
     )
 
     def step(state, batch):

@@ -214,9 +214,9 @@ def shard_activation(x, dims: tuple[str | None, ...]):
     """Constrain activation `x` when a mesh is active (`jax.set_mesh`); otherwise return it.
 
     `dims` names each dimension: "batch" -> the mesh's ("data", "fsdp") axes, "seq" -> "seq",
-    "heads" / "ffn" / "vocab" -> "model", None -> replicated. Only axes that exist in the current mesh,
-    are Auto (not Manual inside a shard_map, not Explicit) and keep the dimension divisible are
-    used, so the same model runs on any mesh and inside `shard_map(..., axis_names={"data"})`.
+    "heads" / "ffn" / "vocab" -> "model", None -> replicated. Only axes that exist in the current
+    mesh, are Auto (not Manual inside a shard_map, not Explicit) and keep the dimension divisible
+    are used, so the same model runs on any mesh and inside `shard_map(..., axis_names={"data"})`.
     """
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:

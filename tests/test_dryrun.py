@@ -1,0 +1,132 @@
+"""`trn-accum dry-run`: the reduced-depth Fuji 3B on 64 emulated devices (subprocess), exact
+per-device bytes against the compiled program, loop-corrected FLOPs, blockers -> exit 1."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from trn_accum import cli, dryrun, hlo, neuron
+from trn_accum.config import load_config
+from trn_accum.model import fuji
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs" / "fuji-tiny.toml")
+F3B = str(ROOT / "configs" / "fuji-3b-trn2.toml")
+
+
+@pytest.mark.slow
+def test_reduced_depth_3b_dry_run_on_64_devices():
+    """2 of the 28 layers, neuron_flash requested: compiles with blockwise and says so; zero
+    split collectives, no preflight blocker, exact per-device bytes, exit 0."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)  # the CLI sets 64 devices itself
+    r = subprocess.run(
+        [sys.executable, "-m", "trn_accum.cli", "dry-run", "--config", F3B, "--devices", "64",
+         "--set", "model.num_layers=2", "--set", 'model.attention="neuron_flash"', "--json"],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep = json.loads(r.stdout)
+    cfg = load_config(F3B, ["model.num_layers=2"])
+    per_layer = 100_669_440
+    assert rep["params"] == fuji.num_params(cfg.model) == 402_653_184 + 2 * per_layer + 3072
+    assert rep["attention"] == "blockwise" and "neuron_flash" in rep["notes"][0]
+    assert rep["mesh_per_node"] == {"data": 1, "fsdp": 16, "model": 4}
+    assert rep["mesh_all_nodes"] == {"data": 32, "fsdp": 16, "model": 4}
+    assert rep["rows_per_node"] == 64 and rep["rows_per_device_group_per_minibatch"] == 1
+    assert sum(rep["split_collectives"].values()) == 0
+    assert rep["blockers"] == []
+    # Norm scales are replicated, every matrix is split 64 ways (fsdp 16 x model 4).
+    norms = 2 * 2 * 3072 + 3072
+    assert rep["bytes_per_device"]["params"] == 4 * ((rep["params"] - norms) // 64 + norms)
+    assert rep["bytes_per_device"]["grads"] == rep["bytes_per_device"]["params"]
+    assert rep["bytes_per_device"]["opt_state"] == 2 * rep["bytes_per_device"]["params"] + 8
+    tokens = 2048 * 8192
+    assert rep["flops"]["analytic_dense_6NT"] == 6 * rep["params"] * tokens
+    assert rep["step_time_floor_s"] == pytest.approx(
+        rep["flops"]["analytic_per_step"] / (667e12 * 16 * 32)
+    )
+    assert rep["compiled_memory_per_device"]["temp"] > 0
+
+
+@pytest.fixture(scope="module")
+def tiny_report():
+    return dryrun.run(TINY)
+
+
+@pytest.mark.xdist_group("trn_dryrun_tiny")
+def test_tiny_dry_run_bytes_match_compiled_arguments(tiny_report):
+    """The exact per-device state bytes plus the batch shard are the compiled arguments."""
+    rep = tiny_report
+    b = rep["bytes_per_device"]
+    batch = 3 * (32 // 8) * 64 * 4  # input_ids, target_labels, target_mask: [4, 64] per device
+    scalars = 2 * 4  # step, skipped
+    args = rep["compiled_memory_per_device"]["argument"]
+    assert args == b["params"] + b["opt_state"] + scalars + batch
+    assert rep["params"] == fuji.num_params(load_config(TINY).model)
+    assert rep["blockers"] == [] and sum(rep["split_collectives"].values()) == 0
+    # cost_analysis counts the minibatch loop body once; the corrected figure does not.
+    f = rep["flops"]
+    assert f["hlo_dot_flops_with_trips"] > 3 * f["hlo_dot_flops_once"] / 2
+    assert f["cost_analysis_with_trips_per_device"] > f["cost_analysis_per_device"]
+    text = dryrun.format_report(rep)
+    assert "parameters: 131,392" in text and "split_minibatches collectives: 0" in text
+    assert json.loads(dryrun.format_report(rep, as_json=True))["params"] == 131_392
+
+
+def test_hlo_dot_flops_multiplies_loop_trips():
+    def f(w, xs):
+        def body(c, x):
+            return c @ w + x, None
+
+        return jax.lax.scan(body, jnp.zeros((8, 16)), xs)[0]
+
+    w = jax.ShapeDtypeStruct((16, 16), jnp.float32)
+    xs = jax.ShapeDtypeStruct((5, 8, 16), jnp.float32)
+    module = hlo.parse_hlo(jax.jit(f).lower(w, xs).compile().as_text())
+    dots = dryrun.hlo_dot_flops(module)
+    one = 2 * 8 * 16 * 16
+    assert dots["once"] == one and dots["with_trips"] == 5 * one
+    assert dots["unknown_trips"] == 0
+
+
+def test_shard_bytes_and_resolve_axes():
+    P = jax.sharding.PartitionSpec
+    mesh = dryrun.resolve_axes({"data": -1, "fsdp": 16, "model": 4}, 64 * 32)
+    assert mesh == {"data": 32, "fsdp": 16, "model": 4}
+    assert dryrun.shard_bytes((131072, 3072), jnp.float32, P("model", "fsdp"), mesh) == (
+        131072 * 3072 * 4 // 64
+    )
+    assert dryrun.shard_bytes((10, 3), jnp.bfloat16, P(("data", "fsdp")), mesh) == 1 * 3 * 2
+    est = dryrun.activation_estimate(load_config(F3B), rows_per_minibatch=1, model_axis=4)
+    assert est["tokens_per_device"] == 8192
+    assert est["saved_per_layer"] == 8192 * 2 * (2 * 3072 + (2 * 24 + 2 * 8) * 128 // 4)
+    assert math.isclose(est["total"], sum(est[k] for k in (
+        "saved_all_layers", "one_layer_recompute", "logits", "gathered_weights")))  # fmt: skip
+
+
+@pytest.mark.xdist_group("trn_dryrun_tiny")
+def test_blockers_make_dry_run_exit_nonzero(tiny_report, monkeypatch, capsys):
+    blocker = neuron.Finding(neuron.BLOCKER, "conditional", "a conditional", "c.1", "main")
+    warning = neuron.Finding(neuron.WARNING, "threefry", "threefry ops", "t.1", "main")
+    monkeypatch.setattr(neuron, "preflight", lambda text, **kw: [blocker, warning])
+    blockers, warnings = dryrun._findings("unused")
+    assert blockers == ["blocker: conditional: a conditional"]
+    assert warnings == ["warning: threefry: threefry ops"]
+    monkeypatch.setattr(
+        dryrun, "run", lambda *a, **kw: dict(tiny_report, blockers=blockers, warnings=warnings)
+    )
+    rc = cli.main(["dry-run", "--config", TINY, "--devices", "8"])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert "1 blockers, 1 warnings" in out and "blocker: conditional" in out
+    monkeypatch.setattr(dryrun, "run", lambda *a, **kw: tiny_report)
+    assert cli.main(["dry-run", "--config", TINY, "--devices", "8", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["blockers"] == []
