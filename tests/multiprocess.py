@@ -14,6 +14,7 @@ on timeout all are killed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import signal
 import socket
@@ -44,6 +45,37 @@ def train_cli(
         timeout=timeout,
         check=False,
     )
+
+
+# A short run of the tiny config (4 minibatches per step) shared by the trainer-level tests.
+# 10 steps: 2 processes and 1 process agree to ~1e-7 here; over more steps bf16 rounding
+# differences grow (measured: 1e-5 by step 16), so longer runs are compared on one topology.
+TINY_CONFIG = "configs/fuji-tiny.toml"
+TINY_STEPS = 10
+TINY_SETS = [
+    "--set",
+    f"trainer.steps={TINY_STEPS}",
+    "--set",
+    "trainer.log_every=1",
+    "--set",
+    "trainer.eval_every=1000",
+    "--set",
+    "checkpoint.every=1000",  # the only mid-run checkpoint is a preemption save
+]
+
+
+@functools.cache
+def tiny_reference_losses() -> dict[int, float]:
+    """{step: loss} of TINY_SETS on 1 process x 8 CPU devices (computed once per process:
+    the tests that use it share the xdist group "slurm", hence one worker)."""
+    with tempfile.TemporaryDirectory(prefix="trn-accum-ref-") as run:
+        out = train_cli(["--config", TINY_CONFIG, *TINY_SETS, "--run-dir", run], devices=8)
+        if out.returncode != 0:
+            raise AssertionError(f"reference run failed:\n{out.stderr[-3000:]}")
+        losses = train_losses(run)
+    if sorted(losses) != list(range(1, TINY_STEPS + 1)):
+        raise AssertionError(f"reference run logged steps {sorted(losses)}")
+    return losses
 
 
 def train_losses(run_dir: str | os.PathLike) -> dict[int, float]:

@@ -22,10 +22,25 @@ TINY = str(ROOT / "configs" / "fuji-tiny.toml")
 EXIT_PREEMPTED = 75
 
 
+_JAX_CACHE: list[str] = []
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _shared_jax_cache(tmp_path_factory):
+    """One persistent JAX compilation cache for the CLI subprocesses of a session: the same
+    tiny train step is compiled once, not once per process (results are the same executable)."""
+    _JAX_CACHE[:] = [str(tmp_path_factory.getbasetemp().parent / "trn-accum-jax-cache")]
+    yield
+
+
 def _env(devices=8, **extra):
     env = dict(os.environ)
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     env["JAX_PLATFORMS"] = "cpu"
+    if _JAX_CACHE:
+        env["JAX_COMPILATION_CACHE_DIR"] = _JAX_CACHE[0]
+        env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+        env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
     env.pop("TRN_ACCUM_TEST_FAULT", None)
     env.update(extra)
     return env
@@ -249,18 +264,43 @@ def test_prepare_data_train_on_tokens_and_plot(tmp_path):
 # Bad inputs
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def done_run(tmp_path_factory):
-    """A finished 4-step run with checkpoints at 2 and 4 and its token data."""
+    """The tiny config run for 24 steps (eval and checkpoints every 12), and token data."""
     base = tmp_path_factory.mktemp("done")
     run = base / "run"
-    r = train(run, "trainer.steps=4", "checkpoint.every=2")
+    r = train(run, "trainer.steps=24", "trainer.eval_every=12", "checkpoint.every=12")
     assert r.returncode == 0, r.stderr[-3000:]
     text = base / "t.txt"
     text.write_text("hello world, " * 200)
     r = cli("prepare-data", text, "--out", base / "tok")
     assert r.returncode == 0, r.stderr
     return base
+
+
+@pytest.mark.xdist_group("trn_cli_done_run")
+def test_tiny_run_trains_evaluates_checkpoints(done_run):
+    run = done_run / "run"
+    recs = read_metrics(run)
+    tr = [r for r in recs if r["kind"] == "train"]
+    ev = [r for r in recs if r["kind"] == "eval"]
+    assert [r["step"] for r in tr] == list(range(1, 25))
+    assert [r["step"] for r in ev] == [12, 24]
+    assert tr[-1]["loss"] < 0.7 * tr[0]["loss"], (tr[0]["loss"], tr[-1]["loss"])
+    assert ev[1]["eval_loss"] < ev[0]["eval_loss"]
+    assert tr[0]["lr"] == 0.0 and tr[10]["lr"] == pytest.approx(3e-3, rel=1e-3)  # warmup 10
+    for key in ("grad_norm", "tokens_per_s", "step_time_s", "skipped_steps", "target_tokens"):
+        assert key in tr[-1]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["12", "24"]
+    assert json.loads((run / "config.json").read_text())["trainer"]["steps"] == 24
+    # Lines are complete JSON objects.
+    for line in (run / "metrics.jsonl").read_text().splitlines():
+        json.loads(line)
+    # Starting again at the end: nothing to do, nothing changed.
+    before = _snapshot(run)
+    r = train(run, "trainer.steps=24")
+    assert r.returncode == 0 and "already at step 24" in r.stdout, r.stderr[-2000:]
+    assert _snapshot(run) == before
 
 
 def _bad_cases(base):
@@ -361,14 +401,14 @@ def test_bad_inputs_one_line_exit_2_nothing_lost(done_run):
 def test_corrupt_newest_checkpoint_is_one_line_and_kept(done_run, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(done_run / "run", run)
-    newest = run / "checkpoints" / "4" / "state"
+    newest = run / "checkpoints" / "24" / "state"
     victims = [p for p in newest.rglob("*") if p.is_file() and p.stat().st_size > 0]
     assert victims
     for p in victims:
         p.write_bytes(b"\x00garbage" * 3)
     before = _snapshot(run)
-    r = train(run, "trainer.steps=6", "checkpoint.every=2")
-    _assert_user_error(r, str(run / "checkpoints" / "4"))
+    r = train(run, "trainer.steps=30")
+    _assert_user_error(r, str(run / "checkpoints" / "24"))
     assert _snapshot(run) == before
 
 
@@ -376,10 +416,3 @@ def test_exit_code_constant_matches_checkpoint_module():
     from trn_accum import checkpoint, cli
 
     assert cli.EXIT_PREEMPTED == checkpoint.EXIT_PREEMPTED == EXIT_PREEMPTED
-
-
-@pytest.mark.xdist_group("trn_cli_done_run")
-def test_metrics_file_is_clean_json_lines(done_run):
-    lines = (done_run / "run" / "metrics.jsonl").read_text().splitlines()
-    recs = [json.loads(ln) for ln in lines]
-    assert [r["step"] for r in recs if r["kind"] == "train"] == [1, 2, 3, 4]

@@ -12,7 +12,16 @@ import time
 
 import numpy as np
 import pytest
-from multiprocess import cpu_env, free_port, run_processes, train_cli, train_losses
+from multiprocess import (
+    TINY_CONFIG,
+    TINY_SETS,
+    TINY_STEPS,
+    cpu_env,
+    free_port,
+    run_processes,
+    tiny_reference_losses,
+    train_losses,
+)
 
 from trn_accum import distributed as dist
 from trn_accum.distributed import LaunchError, derive_launch, expand_nodelist
@@ -210,7 +219,7 @@ BAD = {
     "k8s index empty": (k8s_env(4, 0, JOB_COMPLETION_INDEX=""), "JOB_COMPLETION_INDEX"),
     "slurm rank missing": (
         {k: v for k, v in slurm_env("a,b", 2, 0).items() if k != "SLURM_PROCID"},
-        "srun",
+        "no SLURM_PROCID",
     ),
     "explicit rank missing": (
         {"TRN_ACCUM_PROCESS_ID": " ", "TRN_ACCUM_NUM_PROCESSES": "2"},
@@ -249,6 +258,7 @@ BAD = {
         {"SLURM_JOB_ID": "5", "SLURM_NTASKS": "2", "SLURM_PROCID": "0"},
         "srun trn-accum train",
     ),
+    "port out of range": (k8s_env(2, 0, TRN_ACCUM_COORDINATOR_PORT="70000"), "1..65535"),
     "bad lnc": (
         slurm_env("a,b", 2, 0, NEURON_LOGICAL_NC_CONFIG="4", JAX_PLATFORMS="neuron"),
         "NEURON_LOGICAL_NC_CONFIG=4",
@@ -463,30 +473,27 @@ def test_a_dead_peer_makes_the_other_process_exit():
 
 # ----------------------------------------------------------------------------- the trainer
 
-SHORT_RUN = [
-    "--config",
-    "configs/fuji-tiny.toml",  # 4 minibatches per step
-    "--set",
-    "trainer.steps=4",
-    "--set",
-    "trainer.log_every=1",
-    "--set",
-    "trainer.eval_every=1000",
-    "--set",
-    "checkpoint.every=1000",
-]
 
-
-@pytest.mark.slow  # two compilations of the tiny train step (about 20-60 s on 2 busy cores)
+@pytest.mark.slow  # compiles the tiny train step twice (1 process, 2 processes)
+@pytest.mark.xdist_group("slurm")  # shares the 1-process reference run with tests/test_slurm.py
 def test_trainer_two_processes_same_losses_as_one_process(tmp_path):
-    one = train_cli([*SHORT_RUN, "--run-dir", str(tmp_path / "one")], devices=8)
-    assert one.returncode == 0, one.stderr[-3000:]
+    """The tiny config, accumulation over 4 minibatches: 2 processes x 4 CPU devices through
+    jax.distributed log the losses of 1 process x 8 devices (rtol 1e-6)."""
     run_processes(
-        ["-m", "trn_accum.cli", "train", *SHORT_RUN, "--run-dir", str(tmp_path / "two")],
+        [
+            "-m",
+            "trn_accum.cli",
+            "train",
+            "--config",
+            TINY_CONFIG,
+            *TINY_SETS,
+            "--run-dir",
+            str(tmp_path / "two"),
+        ],
         2,
         devices_per_process=4,
         timeout=900,
     )
-    ref, got = train_losses(tmp_path / "one"), train_losses(tmp_path / "two")
-    assert sorted(ref) == sorted(got) == [1, 2, 3, 4]
+    ref, got = tiny_reference_losses(), train_losses(tmp_path / "two")
+    assert sorted(got) == sorted(ref) == list(range(1, TINY_STEPS + 1))
     np.testing.assert_allclose([got[s] for s in ref], list(ref.values()), rtol=1e-6, atol=0)

@@ -56,15 +56,10 @@ def test_reduced_depth_3b_dry_run_on_64_devices():
     assert rep["compiled_memory_per_device"]["temp"] > 0
 
 
-@pytest.fixture(scope="module")
-def tiny_report():
-    return dryrun.run(TINY)
-
-
-@pytest.mark.xdist_group("trn_dryrun_tiny")
-def test_tiny_dry_run_bytes_match_compiled_arguments(tiny_report):
-    """The exact per-device state bytes plus the batch shard are the compiled arguments."""
-    rep = tiny_report
+def test_tiny_dry_run_bytes_match_compiled_arguments_and_blockers_exit_1(monkeypatch, capsys):
+    """The exact per-device state bytes plus the batch shard are the compiled arguments; the
+    CLI exits 1 when the preflight reports a blocker (0 otherwise)."""
+    rep = dryrun.run(TINY)
     b = rep["bytes_per_device"]
     batch = 3 * (32 // 8) * 64 * 4  # input_ids, target_labels, target_mask: [4, 64] per device
     scalars = 2 * 4  # step, skipped
@@ -79,6 +74,7 @@ def test_tiny_dry_run_bytes_match_compiled_arguments(tiny_report):
     text = dryrun.format_report(rep)
     assert "parameters: 131,392" in text and "split_minibatches collectives: 0" in text
     assert json.loads(dryrun.format_report(rep, as_json=True))["params"] == 131_392
+    _check_blockers_make_dry_run_exit_nonzero(rep, monkeypatch, capsys)
 
 
 def test_hlo_dot_flops_multiplies_loop_trips():
@@ -112,8 +108,7 @@ def test_shard_bytes_and_resolve_axes():
         "saved_all_layers", "one_layer_recompute", "logits", "gathered_weights")))  # fmt: skip
 
 
-@pytest.mark.xdist_group("trn_dryrun_tiny")
-def test_blockers_make_dry_run_exit_nonzero(tiny_report, monkeypatch, capsys):
+def _check_blockers_make_dry_run_exit_nonzero(tiny_report, monkeypatch, capsys):
     blocker = neuron.Finding(neuron.BLOCKER, "conditional", "a conditional", "c.1", "main")
     warning = neuron.Finding(neuron.WARNING, "threefry", "threefry ops", "t.1", "main")
     monkeypatch.setattr(neuron, "preflight", lambda text, **kw: [blocker, warning])

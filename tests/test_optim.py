@@ -50,15 +50,15 @@ def test_decay_alone_decoupled_is_one_over_alpha_stronger_than_optax_adamw():
     params = _params()
     zeros = jax.tree.map(jnp.zeros_like, params)
     out = {}
-    for kind in ("decoupled", "adamw"):
+    for kind in ("reference", "adamw"):
         tx, _ = _opt(kind, warmup_steps=0)
         upd, _ = tx.update(zeros, tx.init(params), params)
         out[kind] = upd
     eta0 = 1.0  # no warmup: eta(0) = 1
     for name, p in params.items():
-        np.testing.assert_allclose(out["decoupled"][name], -eta0 * LAMBDA * p, rtol=1e-6)
+        np.testing.assert_allclose(out["reference"][name], -eta0 * LAMBDA * p, rtol=1e-6)
         np.testing.assert_allclose(out["adamw"][name], -eta0 * ALPHA * LAMBDA * p, rtol=1e-6)
-        ratio = np.asarray(out["decoupled"][name]) / np.asarray(out["adamw"][name])
+        ratio = np.asarray(out["reference"][name]) / np.asarray(out["adamw"][name])
         np.testing.assert_allclose(ratio, 1.0 / ALPHA, rtol=1e-5)  # 3,333x
 
 
@@ -82,7 +82,7 @@ def _reference_algorithm2(params, grads_seq, *, b1=0.9, b2=0.95, eps=1e-8, clip=
     return theta
 
 
-@pytest.mark.parametrize("kind", ["decoupled", "adamw"])
+@pytest.mark.parametrize("kind", ["reference", "adamw"])
 def test_chain_matches_reference_over_steps(kind):
     params = _params()
     keys = jax.random.split(jax.random.key(1), 6)
@@ -98,7 +98,7 @@ def test_chain_matches_reference_over_steps(kind):
     eta = lr_multiplier(warmup_steps=2, total_steps=10, end_fraction=0.1)
     ref = _reference_algorithm2(params, grads_seq, eta=lambda t: float(eta(t)))
     for k in params:
-        if kind == "decoupled":
+        if kind == "reference":
             np.testing.assert_allclose(p[k], ref[k], rtol=2e-6, atol=1e-7)
         else:
             # optax.adamw decays by alpha * eta * lambda: a different trajectory.
@@ -106,14 +106,14 @@ def test_chain_matches_reference_over_steps(kind):
 
 
 def test_lr_fn_is_alpha_times_eta():
-    _, lr_fn = _opt("decoupled", warmup_steps=4, total_steps=20)
+    _, lr_fn = _opt("reference", warmup_steps=4, total_steps=20)
     np.testing.assert_allclose(float(lr_fn(4)), ALPHA, rtol=1e-6)
     np.testing.assert_allclose(float(lr_fn(2)), ALPHA / 2, rtol=1e-6)
 
 
 def test_nonfinite_step_is_skipped_without_conditional():
     params = _params()
-    tx, _ = _opt("decoupled", warmup_steps=0)
+    tx, _ = _opt("reference", warmup_steps=0)
     state = tx.init(params)
     good = jax.tree.map(jnp.ones_like, params)
     bad = dict(good, b=good["b"].at[1].set(jnp.nan))

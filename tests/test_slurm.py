@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 import sys
 import textwrap
 import time
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from multiprocess import REPO, cpu_env, train_cli, train_losses
+from multiprocess import REPO, TINY_SETS, TINY_STEPS, cpu_env, tiny_reference_losses, train_losses
 from slurm_cluster import running_cluster
 
 SBATCH = REPO / "launch" / "slurm" / "fuji-3b-trn2.sbatch"
@@ -208,19 +209,8 @@ def test_scancel_does_not_requeue(cluster, tmp_path):
 
 # ----------------------------------------------------------------------------- the trainer
 
-# 10 steps: 2 processes and 1 process agree to ~1e-7 here; over more steps bf16 rounding
-# differences grow (measured: 1e-5 by step 16), so longer runs are compared on one topology.
-STEPS = 10
-TRAIN_ARGS = [
-    "--set",
-    f"trainer.steps={STEPS}",
-    "--set",
-    "trainer.log_every=1",
-    "--set",
-    "trainer.eval_every=1000",
-    "--set",
-    "checkpoint.every=1000",  # the only mid-run checkpoint is the preemption save
-]
+STEPS = TINY_STEPS
+TRAIN_ARGS = TINY_SETS  # the sbatch adds --config (CPU mode: configs/fuji-tiny.toml)
 
 
 def trainer_env(tmp: Path, run_dir: Path) -> dict[str, str]:
@@ -230,15 +220,9 @@ def trainer_env(tmp: Path, run_dir: Path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def reference_losses(tmp_path_factory) -> dict[int, float]:
+def reference_losses() -> dict[int, float]:
     """The tiny config (CPU mode's default) on 1 process x 8 CPU devices."""
-    run = tmp_path_factory.mktemp("reference")
-    args = ["--config", "configs/fuji-tiny.toml", *TRAIN_ARGS, "--run-dir", str(run)]
-    out = train_cli(args, devices=8)
-    assert out.returncode == 0, out.stderr[-3000:]
-    losses = train_losses(run)
-    assert sorted(losses) == list(range(1, STEPS + 1))
-    return losses
+    return tiny_reference_losses()
 
 
 @pytest.fixture(scope="module")
@@ -292,3 +276,83 @@ def test_sbatch_preempted_run_resumes_to_the_same_final_loss(
     assert got[STEPS] == pytest.approx(whole[STEPS], rel=1e-6)  # the same final loss
     assert_same_losses(got, whole)
     assert_same_losses(got, reference_losses)
+
+
+# ----------------------------------------------------------------------------- static checks
+
+
+def test_sbatch_header_and_syntax():
+    text = SBATCH.read_text()
+    directives = [ln.split(None, 1)[1] for ln in text.splitlines() if ln.startswith("#SBATCH ")]
+    for want in (
+        "--nodes=32",  # the config's node count: 2048 x 8192 tokens with 4 minibatches
+        "--ntasks-per-node=1",
+        "--exclusive",
+        "--requeue",
+        "--signal=TERM@120",
+    ):
+        assert want in directives, f"#SBATCH {want} missing from {SBATCH.name}"
+    out = subprocess.run(["bash", "-n", str(SBATCH)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "source launch/env/trn2.sh" in text
+    assert 'srun --cpus-per-task="$cpus_per_task"' in text
+
+
+def test_slurm_tests_skip_here_but_fail_under_ci(monkeypatch):
+    import slurm_cluster
+
+    monkeypatch.setattr(slurm_cluster, "unavailable_reason", lambda: "no slurm here")
+    monkeypatch.setenv("CI", "false")
+    with pytest.raises(pytest.skip.Exception, match="no slurm here"):
+        slurm_cluster.require_slurm()
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="CI=true but no slurm here"):
+        slurm_cluster.require_slurm()
+
+
+# ----------------------------------------------------------------------------- launch/env/trn2.sh
+
+TRN2_SH = REPO / "launch" / "env" / "trn2.sh"
+
+
+def sourced_env(tmp: Path, preset: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment after `source launch/env/trn2.sh` under `set -euo pipefail`."""
+    keep = {"PATH": os.environ.get("PATH", ""), "HOME": str(tmp)}
+    out = subprocess.run(
+        ["bash", "-c", f"set -euo pipefail; source {TRN2_SH}; env -0"],
+        env={**keep, **(preset or {})},
+        cwd=tmp,
+        capture_output=True,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr.decode()
+    return dict(kv.split("=", 1) for kv in out.stdout.decode().split("\0") if "=" in kv)
+
+
+def test_trn2_env_defaults_match_trn_accum_neuron(tmp_path):
+    from trn_accum import neuron
+
+    env = sourced_env(tmp_path)
+    want = neuron.neuron_env(compile_cache=None)  # NEURON_CC_FLAGS, LNC, EFA, ...
+    assert {k: env.get(k) for k in want} == want
+    assert env["JAX_PLATFORMS"] == "neuron,cpu"
+    assert env["NEURON_COMPILE_CACHE_URL"] == f"{tmp_path}/runs/cache/neuron"
+    assert env["JAX_COMPILATION_CACHE_DIR"] == f"{tmp_path}/runs/cache/jax"
+    assert (tmp_path / "runs" / "cache" / "neuron").is_dir()
+    assert not any("--internal-" in env[k] for k in env if k.startswith("NEURON"))
+
+
+def test_trn2_env_keeps_preset_values(tmp_path):
+    preset = {
+        "NEURON_CC_FLAGS": "--target=trn2 -O2",
+        "NEURON_LOGICAL_NC_CONFIG": "1",
+        "NEURON_COMPILE_CACHE_URL": "s3://bucket/neuron-cache",
+        "TRN_ACCUM_SHARED_DIR": str(tmp_path / "fsx"),
+        "FI_EFA_FORK_SAFE": "0",
+        "SLURM_SUBMIT_DIR": str(tmp_path / "elsewhere"),
+    }
+    env = sourced_env(tmp_path, preset)
+    for k, v in preset.items():
+        assert env[k] == v
+    assert env["JAX_COMPILATION_CACHE_DIR"] == f"{tmp_path}/fsx/cache/jax"
+    assert not (tmp_path / "s3:").exists()  # URLs are not created as directories

@@ -1,9 +1,8 @@
-"""Trainer: the tiny config trains, accumulation is exact, non-finite steps are skipped, the
-compiled step has no conditional and donates its state, user errors are TrainErrors."""
+"""Trainer: accumulation is exact (k = 1 vs 4), non-finite steps are skipped, the compiled step
+has no conditional and donates its state, user errors are TrainErrors, metrics logging.
+(The tiny run end to end, resume and preemption: tests/test_cli.py.)"""
 
-import json
 import math
-import re
 from pathlib import Path
 
 import jax
@@ -29,14 +28,11 @@ def _losses(trainer, steps):
     return state, out
 
 
-@pytest.fixture(scope="module")
-def tiny_k4():
-    return train.Trainer.build(load_config(TINY, F32 + ["trainer.accum_steps=4"]))
-
-
-@pytest.mark.xdist_group("trn_train_tiny_k4")
-def test_accum_1_vs_4_same_loss_curve(tiny_k4):
-    """Same global batch, k = 1 vs 4, float32: the same trajectory over 10 steps."""
+def test_accum_1_vs_4_same_loss_curve_nonfinite_skip_compiled_step():
+    """Same global batch, k = 1 vs 4, float32: the same trajectory over 10 steps. Then, with
+    the k = 4 step already compiled: a non-finite step is skipped and counted, and the compiled
+    step has no conditional, donates the state and shards the optimizer like the params."""
+    tiny_k4 = train.Trainer.build(load_config(TINY, F32 + ["trainer.accum_steps=4"]))
     k1 = train.Trainer.build(load_config(TINY, F32 + ["trainer.accum_steps=1"]))
     state1, m1 = _losses(k1, 10)
     state4, m4 = _losses(tiny_k4, 10)
@@ -49,10 +45,11 @@ def test_accum_1_vs_4_same_loss_curve(tiny_k4):
     flat4 = jax.tree.leaves(jax.device_get(state4["params"]))
     for a, b in zip(flat1, flat4, strict=True):
         np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6)
+    _check_nonfinite_step_is_skipped_and_counted(tiny_k4)
+    _check_compiled_step_no_conditional_donated_and_sharded(tiny_k4)
 
 
-@pytest.mark.xdist_group("trn_train_tiny_k4")
-def test_nonfinite_step_is_skipped_and_counted(tiny_k4):
+def _check_nonfinite_step_is_skipped_and_counted(tiny_k4):
     state = tiny_k4.init()
     bad_params = dict(state["params"], final_norm=state["params"]["final_norm"].at[0].set(jnp.nan))
     state = dict(state, params=bad_params)
@@ -69,58 +66,18 @@ def test_nonfinite_step_is_skipped_and_counted(tiny_k4):
         np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.xdist_group("trn_train_tiny_k4")
-def test_compiled_step_no_conditional_donated_and_sharded(tiny_k4):
-    state = train.restore_target(tiny_k4.abstract, tiny_k4.state_shardings)
-    batch = train.abstract_batch(tiny_k4.cfg, tiny_k4.mesh)
-    with jax.set_mesh(tiny_k4.mesh):
-        lowered = tiny_k4.step_fn.lower(state, batch)
-    text = lowered.compile().as_text()
-    module = hlo.parse_hlo(text)
-    assert not module.find("conditional")
-    assert not re.search(r"stablehlo\.case", lowered.as_text())
+def _check_compiled_step_no_conditional_donated_and_sharded(tiny_k4):
+    text = tiny_k4.compiled_step.as_text()
+    assert not hlo.parse_hlo(text).find("conditional")
     # Every state leaf is donated (aliased to an output).
-    n_state = len(jax.tree.leaves(state))
+    n_state = len(jax.tree.leaves(tiny_k4.abstract))
     assert text.count("may-alias") + text.count("must-alias") >= n_state
     # Optimizer moments take the parameters' sharding; counts are replicated.
     sh = tiny_k4.state_shardings
     adam = [s for s in sh["opt_state"] if hasattr(s, "mu")][0]
-    assert (
-        adam.mu["embed"].spec
-        == sh["params"]["embed"].spec
-        == jax.sharding.PartitionSpec(None, "fsdp")
-    )
-    assert adam.count.spec == jax.sharding.PartitionSpec()
-
-
-def test_tiny_run_in_process_trains_and_checkpoints(tmp_path):
-    """The loop end to end (checkpoints, eval, metrics.jsonl); 24 steps in-process."""
-    rc = train.run(
-        TINY,
-        overrides=[
-            "trainer.steps=24",
-            "trainer.eval_every=12",
-            "checkpoint.every=12",
-            "checkpoint.keep=2",
-        ],
-        run_dir=str(tmp_path),
-    )
-    assert rc == 0
-    recs = read_metrics(tmp_path)
-    tr = [r for r in recs if r["kind"] == "train"]
-    ev = [r for r in recs if r["kind"] == "eval"]
-    assert [r["step"] for r in tr] == list(range(1, 25))
-    assert [r["step"] for r in ev] == [12, 24]
-    assert tr[-1]["loss"] < 0.7 * tr[0]["loss"], (tr[0]["loss"], tr[-1]["loss"])
-    assert ev[1]["eval_loss"] < ev[0]["eval_loss"]
-    assert tr[0]["lr"] == 0.0 and tr[10]["lr"] == pytest.approx(3e-3, rel=1e-3)  # warmup 10
-    for key in ("grad_norm", "tokens_per_s", "step_time_s", "skipped_steps"):
-        assert key in tr[-1]
-    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["12", "24"]
-    assert json.loads((tmp_path / "config.json").read_text())["trainer"]["steps"] == 24
-    # Running again resumes at the end: nothing to do, nothing lost.
-    assert train.run(TINY, overrides=["trainer.steps=24"], run_dir=str(tmp_path)) == 0
-    assert len(read_metrics(tmp_path)) == len(recs)
+    P = jax.sharding.PartitionSpec
+    assert adam.mu["embed"].spec == sh["params"]["embed"].spec == P(None, "fsdp")
+    assert adam.count.spec == P()
 
 
 def test_flops_per_step_formula():

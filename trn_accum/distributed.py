@@ -31,8 +31,8 @@ in the environment wins. ``initialize`` exports them and selects the rbg PRNG
 (``jax_default_prng_impl``), since Threefry is not fully supported on Neuron.
 
 Bad values raise ``LaunchError`` (a ``ValueError``) with one line naming the variable, the rule
-and a fix. This module is a leaf: it imports only the standard library at the top (JAX inside
-``initialize``).
+and a fix. This module is a leaf: it imports only the standard library at the top (JAX and
+``trn_accum.neuron``, for detection, environment and PRNG, inside ``initialize``).
 """
 
 from __future__ import annotations
@@ -58,8 +58,14 @@ DEFAULT_K8S_PORT = 55527  # the port JAX's own Kubernetes detection uses
 DEFAULT_NEURON_ROOT_PORT = 41000  # outside JAX's Slurm range [61440, 65535]
 TRN2_PHYSICAL_CORES = 128  # trn2.48xlarge: 16 chips x 8 NeuronCore-v3
 
-_SLURM_STEP_VARS = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID")
-_SLURM_STEP_VARS_ALL = (*_SLURM_STEP_VARS, "SLURM_LOCALID")  # what JAX's detection requires
+# a Slurm job step: what JAX's own Slurm detection requires
+_SLURM_STEP_VARS = (
+    "SLURM_JOB_ID",
+    "SLURM_STEP_NODELIST",
+    "SLURM_NTASKS",
+    "SLURM_PROCID",
+    "SLURM_LOCALID",
+)
 
 
 class LaunchError(ValueError):
@@ -109,17 +115,22 @@ class ProcessInfo:
 # ----------------------------------------------------------------------------- parsing
 
 
-def _int(env: Mapping[str, str], name: str, value: str | None = None, *, minimum: int = 0) -> int:
-    text = env.get(name) if value is None else value
+def _int(name: str, text: str | None, *, minimum: int = 0, maximum: int | None = None) -> int:
+    """`text` (the value of `name`) as an int in [minimum, maximum], else a LaunchError."""
+    rule = f">= {minimum}" if maximum is None else f"in {minimum}..{maximum}"
     if text is None or not str(text).strip():
-        raise LaunchError(f"{name} is not set: it must be an integer >= {minimum}")
+        raise LaunchError(f"{name} is not set: it must be an integer {rule}")
     try:
         n = int(str(text).strip())
     except ValueError:
-        raise LaunchError(f"{name}={text!r} is not an integer (>= {minimum} expected)") from None
-    if n < minimum:
-        raise LaunchError(f"{name}={n} must be >= {minimum}")
+        raise LaunchError(f"{name}={text!r} is not an integer ({rule} expected)") from None
+    if n < minimum or (maximum is not None and n > maximum):
+        raise LaunchError(f"{name}={n} must be {rule}")
     return n
+
+
+def _port(env: Mapping[str, str], name: str, default: int) -> int:
+    return _int(name, env.get(name) or str(default), minimum=1, maximum=65535)
 
 
 def _rank(name: str, process_id: int, world_name: str, num_processes: int) -> None:
@@ -209,8 +220,8 @@ def expand_nodelist(nodelist: str) -> list[str]:
 def slurm_coordinator_port(env: Mapping[str, str]) -> int:
     """JAX's Slurm port: `JAX_COORDINATOR_PORT`, else SLURM_JOB_ID % 4096 + 61440."""
     if env.get("JAX_COORDINATOR_PORT"):
-        return _int(env, "JAX_COORDINATOR_PORT", minimum=1)
-    return _int(env, "SLURM_JOB_ID") % 4096 + 61440
+        return _port(env, "JAX_COORDINATOR_PORT", 0)
+    return _int("SLURM_JOB_ID", env.get("SLURM_JOB_ID")) % 4096 + 61440
 
 
 # ----------------------------------------------------------------------------- derivation
@@ -236,10 +247,12 @@ def _count_cores(spec: str) -> int:
 def neuron_devices_per_process(env: Mapping[str, str]) -> int:
     """JAX devices each process drives on Neuron (64 on a trn2.48xlarge at LNC=2)."""
     if env.get("TRN_ACCUM_DEVICES_PER_PROCESS"):
-        return _int(env, "TRN_ACCUM_DEVICES_PER_PROCESS", minimum=1)
+        return _int(
+            "TRN_ACCUM_DEVICES_PER_PROCESS", env["TRN_ACCUM_DEVICES_PER_PROCESS"], minimum=1
+        )
     if env.get("NEURON_RT_VISIBLE_CORES"):
         return _count_cores(env["NEURON_RT_VISIBLE_CORES"])
-    lnc = _int(env, "NEURON_LOGICAL_NC_CONFIG", env.get("NEURON_LOGICAL_NC_CONFIG", "2"), minimum=1)
+    lnc = _int("NEURON_LOGICAL_NC_CONFIG", env.get("NEURON_LOGICAL_NC_CONFIG") or "2", minimum=1)
     if lnc not in (1, 2):
         raise LaunchError(f"NEURON_LOGICAL_NC_CONFIG={lnc} must be 1 or 2 on trn2")
     return TRN2_PHYSICAL_CORES // lnc
@@ -249,12 +262,7 @@ def _neuron_env(env: Mapping[str, str], plan: LaunchPlan) -> dict[str, str]:
     if not plan.distributed:
         return {}
     per = neuron_devices_per_process(env)
-    root_port = _int(
-        env,
-        "TRN_ACCUM_NEURON_ROOT_PORT",
-        env.get("TRN_ACCUM_NEURON_ROOT_PORT", str(DEFAULT_NEURON_ROOT_PORT)),
-        minimum=1,
-    )
+    root_port = _port(env, "TRN_ACCUM_NEURON_ROOT_PORT", DEFAULT_NEURON_ROOT_PORT)
     derived = {
         "NEURON_PJRT_PROCESSES_NUM_DEVICES": ",".join([str(per)] * plan.num_processes),
         "NEURON_PJRT_PROCESS_INDEX": str(plan.process_id),
@@ -264,19 +272,16 @@ def _neuron_env(env: Mapping[str, str], plan: LaunchPlan) -> dict[str, str]:
 
 
 def _explicit(env, coordinator, num_processes, process_id) -> LaunchPlan:
-    num = (
-        _int(env, "num_processes", str(num_processes), minimum=1)
-        if num_processes is not None
-        else _int(
-            env, "TRN_ACCUM_NUM_PROCESSES", env.get("TRN_ACCUM_NUM_PROCESSES", "1"), minimum=1
-        )
-    )
+    if num_processes is not None:
+        num = _int("num_processes", str(num_processes), minimum=1)
+    else:
+        num = _int("TRN_ACCUM_NUM_PROCESSES", env.get("TRN_ACCUM_NUM_PROCESSES", "1"), minimum=1)
     pid_name = (
         "TRN_ACCUM_PROCESS_ID"
         if process_id is None and env.get("TRN_ACCUM_PROCESS_ID") is not None
         else "process_id"
     )
-    pid = _int(env, pid_name, None if process_id is None else str(process_id))
+    pid = _int(pid_name, env.get(pid_name) if process_id is None else str(process_id))
     _rank(pid_name, pid, "num_processes", num)
     coord = coordinator if coordinator is not None else env.get("TRN_ACCUM_COORDINATOR")
     if num == 1:
@@ -290,13 +295,13 @@ def _explicit(env, coordinator, num_processes, process_id) -> LaunchPlan:
 
 
 def _kubernetes(env: Mapping[str, str]) -> LaunchPlan:
-    pid = _int(env, "JOB_COMPLETION_INDEX")
+    pid = _int("JOB_COMPLETION_INDEX", env.get("JOB_COMPLETION_INDEX"))
     if not env.get("TRN_ACCUM_NUM_PROCESSES"):
         raise LaunchError(
             "JOB_COMPLETION_INDEX is set (Kubernetes Indexed Job) but TRN_ACCUM_NUM_PROCESSES is "
             "not: set it to the Job's completions (the node count), as `trn-accum render-eks` does"
         )
-    num = _int(env, "TRN_ACCUM_NUM_PROCESSES", minimum=1)
+    num = _int("TRN_ACCUM_NUM_PROCESSES", env["TRN_ACCUM_NUM_PROCESSES"], minimum=1)
     _rank("JOB_COMPLETION_INDEX", pid, "TRN_ACCUM_NUM_PROCESSES", num)
     job, sub = env.get("TRN_ACCUM_JOB_NAME", ""), env.get("TRN_ACCUM_SUBDOMAIN", "")
     hosts: tuple[str, ...] = ()
@@ -314,14 +319,9 @@ def _kubernetes(env: Mapping[str, str]) -> LaunchPlan:
                 f"is <job>-0.<subdomain>:<port>; set them (the Job name and its headless "
                 f"Service) or TRN_ACCUM_COORDINATOR=host:port"
             )
-        port = _int(
-            env,
-            "TRN_ACCUM_COORDINATOR_PORT",
-            env.get("TRN_ACCUM_COORDINATOR_PORT", str(DEFAULT_K8S_PORT)),
-            minimum=1,
-        )
+        port = _port(env, "TRN_ACCUM_COORDINATOR_PORT", DEFAULT_K8S_PORT)
         hosts = tuple(f"{job}-{i}.{sub}" for i in range(num))
-        coord = _address("TRN_ACCUM_COORDINATOR_PORT", f"{hosts[0]}:{port}")
+        coord = f"{hosts[0]}:{port}"
     if num == 1:
         return LaunchPlan("single", 1, 0, None, hosts)
     return LaunchPlan("kubernetes", num, pid, coord, hosts)
@@ -329,8 +329,8 @@ def _kubernetes(env: Mapping[str, str]) -> LaunchPlan:
 
 def _slurm(env: Mapping[str, str]) -> LaunchPlan:
     hosts = tuple(expand_nodelist(env["SLURM_STEP_NODELIST"]))
-    num = _int(env, "SLURM_NTASKS", minimum=1)
-    pid = _int(env, "SLURM_PROCID")
+    num = _int("SLURM_NTASKS", env["SLURM_NTASKS"], minimum=1)
+    pid = _int("SLURM_PROCID", env["SLURM_PROCID"])
     _rank("SLURM_PROCID", pid, "SLURM_NTASKS", num)
     if num == 1:
         return LaunchPlan("single", 1, 0, None, hosts)
@@ -362,10 +362,11 @@ def derive_launch(
         plan = _kubernetes(env)
     elif all(env.get(k) for k in _SLURM_STEP_VARS):
         plan = _slurm(env)
-    elif env.get("SLURM_JOB_ID") and int(env.get("SLURM_NTASKS", "1") or 1) > 1:
+    elif env.get("SLURM_JOB_ID") and env.get("SLURM_NTASKS", "1").strip() not in ("", "1"):
+        missing = ", ".join(k for k in _SLURM_STEP_VARS if not env.get(k))
         raise LaunchError(
             f"inside Slurm job {env['SLURM_JOB_ID']} with SLURM_NTASKS={env['SLURM_NTASKS']} but "
-            f"not in a job step (no SLURM_STEP_NODELIST): launch one process per task with "
+            f"not in a job step (no {missing}): launch one process per task with "
             f"`srun trn-accum train ...`"
         )
     else:
@@ -409,8 +410,9 @@ def initialize(
       is 100 s).
 
     Single process: starts nothing. Slurm: `jax.distributed.initialize` detects the step itself
-    (the plan must agree; checked after start-up). Kubernetes / explicit: the plan's values,
-    with JAX's cluster detection off. Idempotent: a second call returns the same info.
+    from `os.environ` (the plan must agree; checked after start-up). Kubernetes / explicit:
+    the plan's values, with JAX's cluster detection off. Idempotent: a second call returns the
+    same info.
     Does not start the JAX backend (no devices are queried).
     """
     env = os.environ if env is None else env

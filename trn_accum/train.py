@@ -340,9 +340,18 @@ class Trainer:
             self.dataset, step, self.cfg.data.global_batch, batch_sharding(self.mesh), split
         )
 
-    def step(self, state: dict, batch: dict):
+    @functools.cached_property
+    def compiled_step(self):
+        """The train step lowered from abstract inputs (state and batch shardings as stated)
+        and compiled once; called as `compiled_step(state, batch)`."""
+        state = restore_target(self.abstract, self.state_shardings)
+        batch = abstract_batch(self.cfg, self.mesh)
         with jax.set_mesh(self.mesh):
-            return self.step_fn(state, batch)
+            return self.step_fn.lower(state, batch).compile()
+
+    def step(self, state: dict, batch: dict):
+        """One optimizer step: (state, batch) -> (new state, metrics); `state` is donated."""
+        return self.compiled_step(state, batch)
 
     def evaluate(self, params) -> float:
         """Mean loss over target tokens of the `data.eval_batches` held-out batches 0..n-1."""
@@ -441,7 +450,7 @@ def run(
             start = int(state["step"])
         else:
             state, start = trainer.init(), 0
-        if main:
+        if main and start < total:
             truncate_metrics(run_dir, start)
             with open(os.path.join(run_dir, "config.json"), "w", encoding="utf-8") as f:
                 json.dump(config_to_dict(cfg), f, indent=2)
@@ -478,11 +487,10 @@ def _loop(trainer: Trainer, state, start: int, ckpt, logger, run_dir: str, profi
     meta = {"config": config_to_dict(cfg)}
     sigterm_at, kill_at = _fault("sigterm_after_step"), _fault("sigkill_after_save_start")
 
-    batch = trainer.batch(start)
     t0 = time.perf_counter()
-    with jax.set_mesh(trainer.mesh):
-        compiled = trainer.step_fn.lower(state, batch).compile()
+    compiled = trainer.compiled_step
     logger.message(f"compiled the train step in {time.perf_counter() - t0:.1f} s")
+    batch = trainer.batch(start)
 
     tracing = False
     with Preemption() as pre:

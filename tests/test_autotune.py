@@ -1,0 +1,150 @@
+"""accum_steps = "auto" (trn_accum.autotune): candidates, the binary search with an injected
+measure, depth extrapolation, and a real search on CPU with a small budget."""
+
+import dataclasses
+
+import pytest
+
+from trn_accum import autotune
+from trn_accum.autotune import AutotuneError, autotune as search
+from trn_accum.config import load_config
+
+
+class Recorder:
+    """An injected measure: bytes from a table, calls recorded."""
+
+    def __init__(self, table):
+        self.table = dict(table)
+        self.calls = []
+
+    def __call__(self, k):
+        self.calls.append(k)
+        return self.table[k]
+
+
+def test_candidate_steps():
+    assert autotune.candidate_steps(64, 8) == (1, 2, 4, 8)
+    assert autotune.candidate_steps(96, 8) == (1, 2, 3, 4, 6, 12)
+    assert autotune.candidate_steps(64, 64) == (1,)
+    with pytest.raises(AutotuneError, match="48 rows is not divisible by the 32 batch shards"):
+        autotune.candidate_steps(48, 32)
+
+
+@pytest.mark.parametrize("budget, expected", [(1000, 1), (999, 2), (300, 4), (101, 16), (100, 16)])
+def test_binary_search_picks_smallest_that_fits(budget, expected):
+    # Non-increasing in k (with a plateau), as compiled memory is.
+    table = {1: 1000, 2: 600, 4: 300, 8: 200, 16: 100, 32: 100, 64: 90}
+    m = Recorder(table)
+    r = search(sorted(table), m, budget)
+    assert r.accum_steps == expected
+    assert table[expected] <= budget
+    # The search measured the candidate just below the choice, which does not fit.
+    cands = sorted(table)
+    i = cands.index(expected)
+    if i:
+        assert table[cands[i - 1]] > budget and cands[i - 1] in r.table
+    # Binary search: at most ceil(log2(7 + 1)) = 3 compiles, each k at most once.
+    assert len(m.calls) <= 3 and len(set(m.calls)) == len(m.calls)
+    assert r.table == {k: table[k] for k in sorted(m.calls)}
+
+
+def test_every_candidate_fits_and_none_fits():
+    m = Recorder({1: 10, 2: 9, 4: 8})
+    r = search([4, 1, 2], m, 100)
+    assert r.accum_steps == 1 and r.candidates == (1, 2, 4)
+    assert m.calls == [2, 1]
+    with pytest.raises(AutotuneError, match=r"even the largest candidate k=4 needs 8 B .* budget"):
+        search([1, 2, 4], Recorder({1: 10, 2: 9, 4: 8}), 7)
+
+
+def test_table_printout():
+    r = search([1, 2, 4, 8], Recorder({1: 3 << 30, 2: 2 << 30, 4: 1 << 30, 8: 1 << 29}), 1.5 * 2**30)
+    text = r.format()
+    assert "budget 1.50 GiB per device" in text
+    assert "chose accum_steps = 4" in text
+    lines = {line.split()[0]: line for line in text.splitlines()[3:-1]}
+    assert "2.00 GiB" in lines["2"] and lines["2"].endswith("no")
+    assert "1.00 GiB" in lines["4"] and lines["4"].endswith("yes")
+    assert "not compiled" in lines["1"]
+    assert r.to_dict()["table"] == {"2": 2 << 30, "4": 1 << 30}
+
+
+def test_extrapolate_linear_in_depth():
+    assert autotune.extrapolate({2: 100, 4: 160}, 28) == 100 + 30 * 26
+    assert autotune.extrapolate({4: 160, 2: 100}, 3) == 130
+    with pytest.raises(ValueError):
+        autotune.extrapolate({2: 1}, 28)
+
+
+def test_compiled_memory_depth_modes(monkeypatch):
+    """CompiledMemory with a fake compiler: extrapolation from two depths, and "auto" choosing
+    full depth when the predicted compile is fast, reduced depths when it is slow."""
+    cfg = load_config("configs/fuji-tiny.toml", ["model.num_layers=28"])
+    compiled = []
+
+    def fake(cfg, mesh, rows, seconds_per_layer):
+        compiled.append((cfg.trainer.accum_steps, cfg.model.num_layers))
+        layers = cfg.model.num_layers
+        return 1000 + 10 * layers * 64 // cfg.trainer.accum_steps, 1.0 + seconds_per_layer * layers
+
+    for per_layer, mode in ((0.1, "full"), (5.0, "extrapolate")):
+        compiled.clear()
+        monkeypatch.setattr(
+            autotune, "_compile_step_bytes", lambda c, m, r, s=per_layer: fake(c, m, r, s)
+        )
+        m = autotune.CompiledMemory(cfg, mesh=None, batch_rows=64)
+        exact = 1000 + 10 * 28 * 64 // 4
+        assert m(4) == exact  # the fake is linear in depth: extrapolation is exact
+        assert m.mode == mode
+        m(8)
+        if mode == "full":
+            assert compiled == [(4, 2), (4, 4), (4, 28), (8, 28)]
+            assert "full depth, 28 layers" in m.method
+        else:
+            assert compiled == [(4, 2), (4, 4), (8, 2), (8, 4)]
+            assert "extrapolated linearly to 28" in m.method
+        assert m.details[4]["bytes"] == exact
+
+
+def test_resolve_keeps_integer_steps_and_uses_budget():
+    cfg = load_config("configs/fuji-tiny.toml", ["trainer.accum_steps=2"])
+    assert autotune.resolve_accum_steps(cfg, mesh=None) == (cfg, None)
+
+    class Mesh:  # only .shape is read when a measure is injected
+        shape = {"data": 4, "fsdp": 2, "model": 1}
+
+    cfg = load_config(
+        "configs/fuji-tiny.toml",
+        ["trainer.accum_steps=auto", "data.global_batch=64", "trainer.memory_budget_gib=1.0"],
+    )
+    gib = 2**30
+    m = Recorder({1: 3 * gib, 2: 2 * gib, 4: gib, 8: gib // 2})
+    new, r = autotune.resolve_accum_steps(cfg, Mesh(), measure=m)
+    assert r.accum_steps == 4 and r.candidates == (1, 2, 4, 8)
+    assert new.trainer.accum_steps == 4
+    assert dataclasses.replace(new, trainer=cfg.trainer) == cfg
+
+
+# ----------------------------------------------------------------------------- real compiles
+
+
+@pytest.mark.slow
+def test_real_search_on_cpu_small_budget():
+    """Tiny Fuji, 8 CPU devices, candidates 1, 2, 4, 8: with a budget between the compiled
+    footprints of k=2 and k=4, auto picks 4, whose compiled memory fits while k/2 = 2's does
+    not. (Compiles are cached by configuration: the search reuses the two measured here.)"""
+    from trn_accum import train
+
+    over = ["data.global_batch=64", "trainer.accum_steps=auto"]
+    cfg = load_config("configs/fuji-tiny.toml", over)
+    mesh = train.make_mesh(cfg)
+    measure = autotune.CompiledMemory(cfg, mesh)
+    m2, m4 = measure(2), measure(4)
+    assert m4 < m2, (m2, m4)  # activations dominate: memory falls with k
+    budget_gib = (m2 + m4) / 2 / 2**30
+    cfg = load_config("configs/fuji-tiny.toml", over + [f"trainer.memory_budget_gib={budget_gib}"])
+    new, r = autotune.resolve_accum_steps(cfg, mesh)
+    assert r.accum_steps == 4 and new.trainer.accum_steps == 4
+    assert r.table[4] == m4 <= r.budget_bytes < m2 == r.table[2]
+    assert r.candidates == (1, 2, 4, 8)
+    assert "full depth, 2 layers" in r.method

@@ -1,0 +1,211 @@
+"""trn_accum.eks: the EKS manifests validate offline (kubernetes-validate --strict), say what
+the design needs, and give each pod the environment trn_accum.distributed derives a job from."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from trn_accum import eks
+from trn_accum.distributed import derive_launch
+from trn_accum.eks import RenderError, manifests, render_eks
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "launch" / "eks" / "fuji-3b-trn2-4nodes.yaml"
+EXAMPLE_IMAGE = "123456789012.dkr.ecr.us-west-2.amazonaws.com/trn-accum:neuron"
+EXAMPLE_ARGS = ("--set", "trainer.accum_steps=32")
+IMAGE = "registry.example.com/trn-accum:neuron"
+
+
+def validator() -> str:
+    exe = Path(sys.executable).parent / "kubernetes-validate"
+    found = str(exe) if exe.exists() else shutil.which("kubernetes-validate")
+    assert found, "kubernetes-validate is missing: pip install -e '.[test]'"
+    return found
+
+
+def validate(*files: Path, version: str | None = None) -> subprocess.CompletedProcess:
+    cmd = [validator(), "--strict", "--quiet"]
+    if version:
+        cmd += ["-k", version]
+    return subprocess.run([*cmd, *map(str, files)], capture_output=True, text=True, check=False)
+
+
+def by_kind(docs):
+    return {d["kind"]: d for d in docs}
+
+
+@pytest.mark.parametrize("version", [None, "1.29.0"])  # newest bundled schema; EKS 1.29
+def test_manifests_pass_kubernetes_validate_strict(tmp_path, version):
+    files = [EXAMPLE, REPO / "launch" / "eks" / "fsx-pvc.yaml"]
+    for n in (1, 2, 16):
+        f = tmp_path / f"n{n}.yaml"
+        f.write_text(render_eks(n, IMAGE))
+        files.append(f)
+    out = validate(*files, version=version)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "Couldn't find schema" not in out.stdout + out.stderr  # really validated
+
+
+def test_validation_is_strict(tmp_path):
+    """A misspelt field fails: the check above can fail."""
+    bad = render_eks(2, IMAGE).replace("backoffLimit:", "backofLimit:")
+    f = tmp_path / "bad.yaml"
+    f.write_text(bad)
+    assert validate(f).returncode != 0
+
+
+def test_checked_in_example_is_current():
+    text = render_eks(4, EXAMPLE_IMAGE, train_args=EXAMPLE_ARGS)
+    assert EXAMPLE.read_text() == text, (
+        "launch/eks/fuji-3b-trn2-4nodes.yaml is stale: regenerate it with the command in its header"
+    )
+
+
+@pytest.mark.parametrize("nodes", [1, 2, 4, 16])
+def test_yaml_round_trips_to_the_manifests(nodes):
+    docs = list(yaml.safe_load_all(render_eks(nodes, IMAGE, train_args=EXAMPLE_ARGS)))
+    assert docs == manifests(nodes, IMAGE, train_args=EXAMPLE_ARGS)
+
+
+@pytest.mark.parametrize("nodes", [2, 16])
+def test_job_shape(nodes):
+    d = by_kind(yaml.safe_load_all(render_eks(nodes, IMAGE)))
+    svc, job = d["Service"], d["Job"]
+    assert svc["spec"]["clusterIP"] == "None"
+    assert svc["spec"]["publishNotReadyAddresses"] is True
+    spec = job["spec"]
+    pod = spec["template"]["spec"]
+    labels = spec["template"]["metadata"]["labels"]
+    assert all(labels[k] == v for k, v in svc["spec"]["selector"].items())
+    assert pod["subdomain"] == svc["metadata"]["name"]
+    assert (spec["completionMode"], spec["completions"], spec["parallelism"]) == (
+        "Indexed",
+        nodes,
+        nodes,
+    )
+    assert pod["restartPolicy"] == "Never"
+    # every restart fails all `nodes` pods: backoffLimit allows 3 whole-job restarts
+    assert spec["backoffLimit"] == 3 * nodes
+    assert spec["podReplacementPolicy"] == "Failed"  # never two pods for one rank
+    rules = spec["podFailurePolicy"]["rules"]
+    assert [(r["action"], r.get("onExitCodes", {}).get("values")) for r in rules] == [
+        ("FailJob", [2]),  # user error: retrying cannot help
+        ("Ignore", [75]),  # preempted after a clean save: restart, do not count
+        ("Ignore", None),
+    ]
+    assert rules[2]["onPodConditions"] == [{"type": "DisruptionTarget", "status": "True"}]
+    assert pod["nodeSelector"] == {"node.kubernetes.io/instance-type": "trn2.48xlarge"}
+    (c,) = pod["containers"]
+    want = {"aws.amazon.com/neuron": 16, "vpc.amazonaws.com/efa": 16}
+    assert c["resources"] == {"requests": want, "limits": want}
+    vols = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    assert vols["dshm"]["emptyDir"]["medium"] == "Memory" and mounts["dshm"] == "/dev/shm"
+    assert vols["checkpoints"]["persistentVolumeClaim"]["claimName"] == "trn-accum-fsx"
+    assert mounts["checkpoints"] == "/checkpoints"
+    assert pod["terminationGracePeriodSeconds"] >= 120  # time to save on SIGTERM
+    script = c["command"][-1]
+    assert "source launch/env/trn2.sh" in script
+    assert (
+        "exec trn-accum train --config configs/fuji-3b-trn2.toml --run-dir /checkpoints/fuji-3b"
+        in script
+    )
+
+
+@pytest.mark.parametrize("nodes", [1, 2, 16])
+def test_pod_environment_gives_the_launch_plan(nodes):
+    """Each pod's env (+ JOB_COMPLETION_INDEX, set by Kubernetes) -> trn_accum.distributed."""
+    job = by_kind(manifests(nodes, IMAGE, name="fuji", namespace="ml"))["Job"]
+    (c,) = job["spec"]["template"]["spec"]["containers"]
+    base = {e["name"]: e["value"] for e in c["env"]}
+    for index in range(nodes):
+        plan = derive_launch({**base, "JOB_COMPLETION_INDEX": str(index)}, neuron=True)
+        assert (plan.num_processes, plan.process_id) == (nodes, 0 if nodes == 1 else index)
+        if nodes == 1:
+            assert plan.mode == "single"
+            continue
+        assert plan.mode == "kubernetes"
+        assert plan.coordinator == "fuji-0.fuji:55527"  # <job>-0.<subdomain>:<port>
+        assert plan.hosts[index] == f"fuji-{index}.fuji"
+        assert plan.neuron_env["NEURON_RT_ROOT_COMM_ID"] == "fuji-0.fuji:41000"
+        assert plan.neuron_env["NEURON_PJRT_PROCESSES_NUM_DEVICES"] == ",".join(["64"] * nodes)
+        assert plan.neuron_env["NEURON_PJRT_PROCESS_INDEX"] == str(index)
+    svc = by_kind(manifests(nodes, IMAGE, name="fuji", namespace="ml"))["Service"]
+    ports = {p["name"]: p["port"] for p in svc["spec"]["ports"]}
+    assert ports == {"coordinator": 55527, "neuron-root": 41000}
+
+
+def test_options_reach_the_manifest():
+    d = by_kind(
+        manifests(
+            2,
+            IMAGE,
+            "configs/fuji-tiny.toml",
+            name="run7",
+            namespace="ml",
+            pvc="ckpt",
+            run_dir="/checkpoints/x y",
+            train_args=("--set", "trainer.steps=5"),
+            max_restarts=0,
+            scheduler_name="my-scheduler",
+        )
+    )
+    job = d["Job"]
+    pod = job["spec"]["template"]["spec"]
+    assert job["metadata"]["namespace"] == d["Service"]["metadata"]["namespace"] == "ml"
+    assert job["spec"]["backoffLimit"] == 0
+    assert pod["schedulerName"] == "my-scheduler"
+    assert pod["volumes"][1]["persistentVolumeClaim"]["claimName"] == "ckpt"
+    script = pod["containers"][0]["command"][-1]
+    assert (
+        "trn-accum train --config configs/fuji-tiny.toml --run-dir '/checkpoints/x y' "
+        "--set trainer.steps=5" in script
+    )
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        ({"nodes": 0}, "--nodes 0"),
+        ({"nodes": "4"}, "--nodes '4'"),
+        ({"image": ""}, "--image ''"),
+        ({"image": "a b"}, "--image"),
+        ({"name": "Fuji_3B"}, "--name 'Fuji_3B'"),
+        ({"name": "x" * 62}, "63 characters"),
+        ({"namespace": "ML"}, "--namespace"),
+        ({"pvc": "bad pvc"}, "--pvc"),
+        ({"max_restarts": -1}, "--max-restarts -1"),
+    ],
+)
+def test_bad_values_are_one_line_errors(kwargs, fragment):
+    args = {"nodes": 2, "image": IMAGE, **kwargs}
+    with pytest.raises(RenderError) as e:
+        render_eks(args.pop("nodes"), args.pop("image"), **args)
+    assert fragment in str(e.value) and "\n" not in str(e.value)
+    assert isinstance(e.value, ValueError)
+
+
+def test_main_writes_the_file(tmp_path):
+    out = tmp_path / "sub" / "eks.yaml"
+    argv = ["--nodes", "4", "--image", EXAMPLE_IMAGE, "--set", "trainer.accum_steps=32"]
+    assert eks.main([*argv, "-o", str(out)]) == 0
+    assert out.read_text() == EXAMPLE.read_text()
+    with pytest.raises(RenderError, match="--nodes"):
+        eks.main(["--image", IMAGE])  # missing --nodes: one line, no usage block
+
+
+def test_cli_render_eks(tmp_path, capsys):
+    from trn_accum import cli
+
+    out = tmp_path / "eks.yaml"
+    assert cli.main(["render-eks", "--nodes", "2", "--image", IMAGE, "-o", str(out)]) == 0
+    assert out.read_text() == render_eks(2, IMAGE)
+    assert cli.main(["render-eks", "--nodes", "0", "--image", IMAGE]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("trn-accum: error:") and "--nodes 0" in err and "\n" not in err

@@ -1,0 +1,432 @@
+"""Kubernetes (EKS) manifests for training on N trn2.48xlarge nodes.
+
+    trn-accum render-eks --nodes 4 --image IMAGE [--config FILE] [-o FILE]
+    render_eks(4, "123456789012.dkr.ecr.us-west-2.amazonaws.com/trn-accum:neuron") -> YAML
+
+Two documents, built-in kinds only (validated offline with `kubernetes-validate --strict`):
+
+- a headless Service (`clusterIP: None`, `publishNotReadyAddresses: true`) that gives every pod
+  the DNS name `<name>-<index>.<name>` before it is ready, so rank 0 (the jax.distributed
+  coordinator and the Neuron root communicator) is reachable while everyone starts;
+- an Indexed Job (`completionMode: Indexed`, `parallelism = completions = nodes`): one pod per
+  node, rank = `JOB_COMPLETION_INDEX`, with `TRN_ACCUM_NUM_PROCESSES`, `TRN_ACCUM_JOB_NAME`,
+  `TRN_ACCUM_SUBDOMAIN` and `TRN_ACCUM_COORDINATOR_PORT` for `trn_accum.distributed`.
+
+All ranks restart together. A lone restarted pod cannot rejoin a running `jax.distributed` job,
+so a failure must take every rank down and bring every rank back:
+- when any rank dies, JAX's coordination service makes every other rank exit non-zero
+  (heartbeat / lost coordinator; tested in tests/test_distributed.py), so every pod fails;
+- `restartPolicy: Never` + the Job controller replaces each failed pod (same index, same
+  hostname); `podReplacementPolicy: Failed` waits until the old pod is gone, so two pods never
+  hold one rank; the new pods form a new job and resume from the newest checkpoint on the
+  shared volume;
+- `backoffLimit = nodes x max_restarts`: one incident fails up to `nodes` pods, so this allows
+  `max_restarts` crash-restarts before the Job is marked failed;
+- `podFailurePolicy`: exit 2 (a user error: bad config) fails the Job at once (retrying cannot
+  help); exit 75 (preempted after a clean checkpoint save) and pods evicted or preempted by
+  Kubernetes (`DisruptionTarget`) are ignored: replaced without counting against the limit.
+`terminationGracePeriodSeconds` (default 120) is the time a SIGTERMed pod has to save.
+
+A JobSet (`failurePolicy.maxRestarts`) would restart all child pods by itself, but it is a CRD
+(the JobSet controller must be installed) and cannot be validated offline here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = [
+    "DEFAULT_CONFIG",
+    "RenderError",
+    "main",
+    "manifests",
+    "render_eks",
+    "to_yaml",
+]
+
+DEFAULT_CONFIG = "configs/fuji-3b-trn2.toml"
+DEFAULT_NAME = "fuji-3b"
+DEFAULT_PVC = "trn-accum-fsx"
+DEFAULT_WORKDIR = "/workspace/trn_accum"  # the repository inside the image (Dockerfile)
+CHECKPOINT_MOUNT = "/checkpoints"
+COORDINATOR_PORT = 55527  # trn_accum.distributed.DEFAULT_K8S_PORT
+NEURON_ROOT_PORT = 41000  # trn_accum.distributed.DEFAULT_NEURON_ROOT_PORT
+EXIT_USAGE, EXIT_PREEMPTED = 2, 75  # trn-accum exit codes
+INSTANCE_TYPE = "trn2.48xlarge"
+NEURON_DEVICES = 16  # chips per trn2.48xlarge
+EFA_DEVICES = 16
+
+_DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")  # RFC 1035 label
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")  # RFC 1123 subdomain
+
+
+class RenderError(ValueError):
+    """A bad render-eks value: one line naming the value, the rule and a fix."""
+
+
+def _check(nodes, image, config, name, namespace, pvc, max_restarts, grace_seconds) -> int:
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
+        raise RenderError(f"--nodes {nodes!r} must be an integer >= 1 (trn2.48xlarge nodes)")
+    if not image or any(c.isspace() for c in image):
+        raise RenderError(
+            f"--image {image!r} must be a container image reference, e.g. "
+            f"123456789012.dkr.ecr.us-west-2.amazonaws.com/trn-accum:neuron"
+        )
+    # pod hostnames are <name>-<index>: a DNS label of at most 63 characters
+    if not _DNS_LABEL.match(name) or len(name) + 1 + len(str(nodes - 1)) > 63:
+        raise RenderError(
+            f"--name {name!r} must be a DNS label (lowercase letters, digits, '-', starting "
+            f"with a letter) short enough for '{name}-{nodes - 1}' to fit 63 characters"
+        )
+    if not _DNS_LABEL.match(namespace):
+        raise RenderError(f"--namespace {namespace!r} must be a DNS label, e.g. training")
+    if not _DNS_SUBDOMAIN.match(pvc) or len(pvc) > 253:
+        raise RenderError(f"--pvc {pvc!r} must be a PersistentVolumeClaim name, e.g. {DEFAULT_PVC}")
+    if not config or any(c.isspace() for c in config):
+        raise RenderError(f"--config {config!r} must be a config path inside the image")
+    if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+        raise RenderError(f"--max-restarts {max_restarts!r} must be an integer >= 0")
+    if isinstance(grace_seconds, bool) or not isinstance(grace_seconds, int) or grace_seconds < 1:
+        raise RenderError(f"grace_seconds={grace_seconds!r} must be an integer >= 1")
+    return nodes
+
+
+def manifests(
+    nodes: int,
+    image: str,
+    config: str = DEFAULT_CONFIG,
+    *,
+    name: str = DEFAULT_NAME,
+    namespace: str = "default",
+    pvc: str = DEFAULT_PVC,
+    run_dir: str | None = None,
+    train_args: Sequence[str] = (),
+    max_restarts: int = 3,
+    scheduler_name: str | None = None,
+    shm_size: str = "64Gi",
+    grace_seconds: int = 120,
+    workdir: str = DEFAULT_WORKDIR,
+) -> list[dict[str, Any]]:
+    """The Service and the Indexed Job as dicts (see `render_eks`)."""
+    _check(nodes, image, config, name, namespace, pvc, max_restarts, grace_seconds)
+    run_dir = run_dir or f"{CHECKPOINT_MOUNT}/{name}"
+    labels = {
+        "app.kubernetes.io/name": "trn-accum",
+        "app.kubernetes.io/instance": name,
+    }
+    meta = {"name": name, "namespace": namespace, "labels": dict(labels)}
+    train = ["trn-accum", "train", "--config", config, "--run-dir", run_dir, *train_args]
+    script = (
+        "set -euo pipefail\n"
+        "source launch/env/trn2.sh\n"
+        f"exec {' '.join(shlex.quote(a) for a in train)}\n"
+    )
+    env = [
+        {"name": "TRN_ACCUM_NUM_PROCESSES", "value": str(nodes)},
+        {"name": "TRN_ACCUM_JOB_NAME", "value": name},
+        {"name": "TRN_ACCUM_SUBDOMAIN", "value": name},
+        {"name": "TRN_ACCUM_COORDINATOR_PORT", "value": str(COORDINATOR_PORT)},
+        {"name": "TRN_ACCUM_NEURON_ROOT_PORT", "value": str(NEURON_ROOT_PORT)},
+        {"name": "TRN_ACCUM_SHARED_DIR", "value": CHECKPOINT_MOUNT},  # compile caches
+        {"name": "PYTHONUNBUFFERED", "value": "1"},
+    ]
+    devices = {
+        "aws.amazon.com/neuron": NEURON_DEVICES,
+        "vpc.amazonaws.com/efa": EFA_DEVICES,
+    }
+    pod_spec: dict[str, Any] = {
+        "subdomain": name,
+        "restartPolicy": "Never",
+        "terminationGracePeriodSeconds": grace_seconds,
+        "nodeSelector": {"node.kubernetes.io/instance-type": INSTANCE_TYPE},
+        "tolerations": [
+            {"key": "aws.amazon.com/neuron", "operator": "Exists", "effect": "NoSchedule"}
+        ],
+        "containers": [
+            {
+                "name": "train",
+                "image": image,
+                "workingDir": workdir,
+                "command": ["bash", "-c", script],
+                "env": env,
+                "ports": [
+                    {"name": "coordinator", "containerPort": COORDINATOR_PORT},
+                    {"name": "neuron-root", "containerPort": NEURON_ROOT_PORT},
+                ],
+                "resources": {"requests": dict(devices), "limits": dict(devices)},
+                "volumeMounts": [
+                    {"name": "dshm", "mountPath": "/dev/shm"},
+                    {"name": "checkpoints", "mountPath": CHECKPOINT_MOUNT},
+                ],
+            }
+        ],
+        "volumes": [
+            {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": shm_size}},
+            {"name": "checkpoints", "persistentVolumeClaim": {"claimName": pvc}},
+        ],
+    }
+    if scheduler_name:
+        pod_spec["schedulerName"] = scheduler_name
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": meta,
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": dict(labels),
+            "ports": [
+                {"name": "coordinator", "port": COORDINATOR_PORT, "targetPort": COORDINATOR_PORT},
+                {"name": "neuron-root", "port": NEURON_ROOT_PORT, "targetPort": NEURON_ROOT_PORT},
+            ],
+        },
+    }
+
+    def exit_codes(action: str, code: int) -> dict:
+        return {
+            "action": action,
+            "onExitCodes": {"containerName": "train", "operator": "In", "values": [code]},
+        }
+
+    job = {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": meta,
+        "spec": {
+            "completionMode": "Indexed",
+            "completions": nodes,
+            "parallelism": nodes,
+            "backoffLimit": nodes * max_restarts,
+            "podReplacementPolicy": "Failed",
+            "podFailurePolicy": {
+                "rules": [
+                    exit_codes("FailJob", EXIT_USAGE),
+                    exit_codes("Ignore", EXIT_PREEMPTED),
+                    {
+                        "action": "Ignore",
+                        "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}],
+                    },
+                ]
+            },
+            "template": {"metadata": {"labels": dict(labels)}, "spec": pod_spec},
+        },
+    }
+    return [service, job]
+
+
+# ----------------------------------------------------------------------------- YAML
+
+_PLAIN = re.compile(r"^[A-Za-z/][A-Za-z0-9_./@-]*$")
+_RESERVED = {"true", "false", "yes", "no", "on", "off", "y", "n", "null", "none"}
+
+
+def _scalar(v: Any) -> str:
+    if v is True or v is False:
+        return "true" if v else "false"
+    if v is None:
+        return "null"
+    if isinstance(v, int | float):
+        return json.dumps(v)
+    s = str(v)
+    if _PLAIN.match(s) and s.lower() not in _RESERVED:
+        return s
+    return json.dumps(s)  # a JSON string is a valid YAML double-quoted scalar
+
+
+def _block(v: str, pad: str) -> list[str]:
+    indicator = "|" if v.endswith("\n") and not v.endswith("\n\n") else "|-"
+    return [indicator] + [f"{pad}{line}" if line else "" for line in v.rstrip("\n").split("\n")]
+
+
+def _emit(obj: Any, indent: int) -> list[str]:
+    pad = " " * indent
+    lines: list[str] = []
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            key = f"{pad}{_scalar(k)}:"
+            if isinstance(v, dict) and v:
+                lines += [key, *_emit(v, indent + 2)]
+            elif isinstance(v, list) and v:
+                lines += [key, *_emit(v, indent)]
+            elif isinstance(v, str) and "\n" in v:
+                head, *rest = _block(v, pad + "  ")
+                lines += [f"{key} {head}", *rest]
+            else:
+                lines.append(f"{key} {'{}' if v == {} else '[]' if v == [] else _scalar(v)}")
+    elif isinstance(obj, list):
+        for item in obj:
+            if isinstance(item, dict | list) and item:
+                sub = _emit(item, indent + 2)
+                lines += [f"{pad}- {sub[0][indent + 2 :]}", *sub[1:]]
+            elif isinstance(item, str) and "\n" in item:
+                head, *rest = _block(item, pad + "  ")
+                lines += [f"{pad}- {head}", *rest]
+            else:
+                lines.append(f"{pad}- {_scalar(item)}")
+    else:
+        lines.append(pad + _scalar(obj))
+    return lines
+
+
+def to_yaml(docs: Sequence[dict], header: str = "") -> str:
+    """Multi-document YAML (block style) of plain dicts, lists and scalars."""
+    head = "".join(f"# {line}\n" if line else "#\n" for line in header.splitlines())
+    return head + "".join("---\n" + "\n".join(_emit(d, 0)) + "\n" for d in docs)
+
+
+def render_eks(
+    nodes: int,
+    image: str,
+    config: str = DEFAULT_CONFIG,
+    *,
+    name: str = DEFAULT_NAME,
+    namespace: str = "default",
+    pvc: str = DEFAULT_PVC,
+    run_dir: str | None = None,
+    train_args: Sequence[str] = (),
+    max_restarts: int = 3,
+    scheduler_name: str | None = None,
+    shm_size: str = "64Gi",
+    grace_seconds: int = 120,
+    workdir: str = DEFAULT_WORKDIR,
+) -> str:
+    """Multi-document YAML: the headless Service and the Indexed Job for `nodes` trn2 nodes.
+
+    nodes: trn2.48xlarge nodes = pods = jax.distributed processes (64 devices each).
+    image: the `neuron` stage of the Dockerfile, pushed to a registry the cluster can pull from.
+    config: a config path inside the image (relative to `workdir`, the repository).
+    name: Job and Service name (pod DNS names `<name>-<i>.<name>`); namespace: theirs.
+    pvc: a PersistentVolumeClaim on a shared file system (e.g. FSx for Lustre, ReadWriteMany),
+      mounted at /checkpoints on every pod: checkpoints, metrics and compile caches.
+    run_dir: default /checkpoints/<name>; a re-applied Job resumes from its newest checkpoint.
+    train_args: extra `trn-accum train` arguments, e.g. ("--set", "trainer.accum_steps=32").
+    max_restarts: whole-job restarts after crashes (backoffLimit = nodes x max_restarts).
+    scheduler_name: e.g. the Neuron scheduler extension's scheduler, if installed as a
+      separate scheduler (default: the cluster's default scheduler).
+    """
+    docs = manifests(
+        nodes,
+        image,
+        config,
+        name=name,
+        namespace=namespace,
+        pvc=pvc,
+        run_dir=run_dir,
+        train_args=train_args,
+        max_restarts=max_restarts,
+        scheduler_name=scheduler_name,
+        shm_size=shm_size,
+        grace_seconds=grace_seconds,
+        workdir=workdir,
+    )
+    cmd = ["trn-accum", "render-eks", "--nodes", str(nodes), "--image", image]
+    if config != DEFAULT_CONFIG:
+        cmd += ["--config", config]
+    for flag, value, default in (
+        ("--name", name, DEFAULT_NAME),
+        ("--namespace", namespace, "default"),
+        ("--pvc", pvc, DEFAULT_PVC),
+        ("--run-dir", run_dir, None),
+        ("--max-restarts", max_restarts, 3),
+        ("--scheduler-name", scheduler_name, None),
+    ):
+        if value != default:
+            cmd += [flag, str(value)]
+    rest = list(train_args)
+    while rest:
+        a = rest.pop(0)
+        if a == "--set" and rest:
+            cmd += ["--set", rest.pop(0)]
+        else:
+            cmd.append(f"--train-arg={a}")
+    header = (
+        f"Fuji training on {nodes} x {INSTANCE_TYPE} (trn_accum). Generated by:\n"
+        f"  {' '.join(shlex.quote(c) for c in cmd)}\n"
+        f"Apply: kubectl apply -f FILE; logs: kubectl logs -f job/{name} (rank 0), or\n"
+        f"  kubectl logs -l app.kubernetes.io/instance={name} --prefix -f (all ranks)."
+    )
+    return to_yaml(docs, header)
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage block
+        raise RenderError(f"render-eks: {message} (see `trn-accum render-eks --help`)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="trn-accum render-eks",
+        description="Write the EKS manifests (headless Service + Indexed Job) for N trn2 nodes.",
+    )
+    p.add_argument("--nodes", type=int, required=True, help="trn2.48xlarge nodes (= pods)")
+    p.add_argument("--image", required=True, help="the Dockerfile's neuron stage, pushed")
+    p.add_argument("--config", default=DEFAULT_CONFIG, help="config path inside the image")
+    p.add_argument("--name", default=DEFAULT_NAME, help="Job/Service name (DNS label)")
+    p.add_argument("--namespace", default="default")
+    p.add_argument("--pvc", default=DEFAULT_PVC, help="shared-FS PersistentVolumeClaim")
+    p.add_argument("--run-dir", default=None, help="default /checkpoints/<name>")
+    p.add_argument("--max-restarts", type=int, default=3, help="whole-job restarts on crashes")
+    p.add_argument("--scheduler-name", default=None, help="pod schedulerName (optional)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override passed to `trn-accum train --set` (repeatable)",
+    )
+    p.add_argument(
+        "--train-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="any extra `trn-accum train` argument, verbatim (repeatable; use --train-arg=-x)",
+    )
+    p.add_argument("-o", "--output", default="-", help="output file (default: stdout)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`trn-accum render-eks ...`: writes the YAML; bad values raise RenderError (one line)."""
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    train_args = [a for kv in args.set for a in ("--set", kv)] + list(args.train_arg)
+    text = render_eks(
+        args.nodes,
+        args.image,
+        args.config,
+        name=args.name,
+        namespace=args.namespace,
+        pvc=args.pvc,
+        run_dir=args.run_dir,
+        train_args=train_args,
+        max_restarts=args.max_restarts,
+        scheduler_name=args.scheduler_name,
+    )
+    if args.output == "-":
+        sys.stdout.write(text)
+    else:
+        try:
+            parent = os.path.dirname(os.path.abspath(args.output))
+            os.makedirs(parent, exist_ok=True)
+            with open(args.output, "w", encoding="utf-8") as f:
+                f.write(text)
+        except OSError as e:
+            raise RenderError(f"-o {args.output!r}: cannot write ({e.strerror})") from None
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except RenderError as e:
+        print(f"trn-accum render-eks: error: {e}", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
