@@ -9,13 +9,15 @@ STAMP   := $(VENV)/.installed-stamp
 CPU_DEVICES ?= 8
 export JAX_PLATFORMS ?= cpu
 
-.PHONY: train test lint bench system-deps clean
+.PHONY: install train test lint bench system-deps clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -U pip
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
 	touch $(STAMP)
+
+install: $(STAMP)   ## .venv with the package and its test extra
 
 system-deps:
 	bash launch/local/install-system-deps.sh

@@ -360,6 +360,11 @@ def _bad_cases(base):
             "--nodes 3",
         ),
         "plot without metrics": (["plot", base / "tok"], "metrics.jsonl"),
+        "neuron_flash without Neuron": (
+            t + ["--set", "model.attention=neuron_flash"],
+            "[neuron] extra",
+        ),
+        "render-eks zero nodes": (["render-eks", "--nodes", "0", "--image", "x"], "--nodes 0"),
         "prepare-data missing text": (
             ["prepare-data", base / "missing.txt", "--out", base / "o"],
             "does not exist",
@@ -367,6 +372,7 @@ def _bad_cases(base):
     }
 
 
+@pytest.mark.slow
 @pytest.mark.xdist_group("trn_cli_done_run")
 def test_bad_inputs_one_line_exit_2_nothing_lost(done_run):
     before = _snapshot(done_run / "run")

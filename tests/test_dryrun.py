@@ -125,3 +125,14 @@ def _check_blockers_make_dry_run_exit_nonzero(tiny_report, monkeypatch, capsys):
     monkeypatch.setattr(dryrun, "run", lambda *a, **kw: tiny_report)
     assert cli.main(["dry-run", "--config", TINY, "--devices", "8", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["blockers"] == []
+
+
+def test_dry_run_reexecs_with_its_own_device_count(capfd):
+    """Called in this 8-device process with --devices 16, the CLI re-runs itself in a fresh
+    process; the mesh error there proves it had 16 devices (and is one line, exit 2)."""
+    argv = ["dry-run", "--config", TINY, "--devices", "16"]
+    argv += ["--set", "mesh.fsdp=32", "--set", "trainer.accum_steps=1"]
+    assert cli.main(argv) == 2
+    err = capfd.readouterr().err
+    assert "needs a multiple of 32 devices but 16 are available" in err
+    assert "Traceback" not in err

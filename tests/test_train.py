@@ -28,6 +28,7 @@ def _losses(trainer, steps):
     return state, out
 
 
+@pytest.mark.slow
 def test_accum_1_vs_4_same_loss_curve_nonfinite_skip_compiled_step():
     """Same global batch, k = 1 vs 4, float32: the same trajectory over 10 steps. Then, with
     the k = 4 step already compiled: a non-finite step is skipped and counted, and the compiled

@@ -68,10 +68,10 @@ def _one_line(msg: str) -> str:
 
 def _profile_range(text: str) -> tuple[int, int]:
     m = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", text or "")
-    if not m or int(m.group(1)) >= int(m.group(2)):
+    if not m or not 1 <= int(m.group(1)) < int(m.group(2)):
         raise UsageError(
-            f"--profile {text!r}: expected START:STOP with 0 <= START < STOP (optimizer steps), "
-            "e.g. --profile 10:15"
+            f"--profile {text!r}: expected START:STOP with 1 <= START < STOP (step numbers as "
+            "logged; traces steps START..STOP-1), e.g. --profile 10:15"
         )
     return int(m.group(1)), int(m.group(2))
 
@@ -96,7 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     config_args(t)
     t.add_argument("--run-dir", metavar="DIR", help="checkpoints + metrics (default runs/CONFIG)")
     t.add_argument(
-        "--profile", metavar="START:STOP", help="jax.profiler trace of steps START..STOP-1"
+        "--profile",
+        metavar="START:STOP",
+        help="jax.profiler trace of steps START..STOP-1 into RUN_DIR/profile",
     )
 
     d = sub.add_parser("dry-run", help="compile the real train step on emulated CPU devices")
@@ -160,11 +162,9 @@ def _cmd_dry_run(args, argv) -> int:
     if args.nodes is not None and args.nodes < 1:
         raise UsageError(f"--nodes {args.nodes}: must be >= 1")
     if not _dry_run_env_ready(args.devices):
-        # A backend with another device count is running in this process: start afresh.
-        env = dict(os.environ)
-        env.pop("XLA_FLAGS", None)
-        env["JAX_PLATFORMS"] = "cpu"
-        return subprocess.call([sys.executable, "-m", "trn_accum.cli", *argv], env=env)
+        # A backend with another device count runs in this process: start a fresh one (it sets
+        # the device count in XLA_FLAGS before its backend starts).
+        return subprocess.call([sys.executable, "-m", "trn_accum.cli", *argv])
     from trn_accum import dryrun  # noqa: PLC0415
 
     report = dryrun.run(

@@ -403,6 +403,11 @@ def _gib(x: float | None) -> str:
     return f"{int(x)} B"
 
 
+def _nonzero(counts: Mapping[str, int]) -> str:
+    shown = {k: v for k, v in counts.items() if v}
+    return ", ".join(f"{k} {v}" for k, v in shown.items()) if shown else "none"
+
+
 def format_report(r: Mapping[str, Any], *, as_json: bool = False) -> str:
     if as_json:
         return json.dumps(r, indent=2, default=str)
@@ -442,9 +447,9 @@ def format_report(r: Mapping[str, Any], *, as_json: bool = False) -> str:
         f" with trip counts {f['cost_analysis_with_trips_per_device'] or 0:.4g}",
         f"step-time floor at trn2 peak: {r['step_time_floor_s']:.4g} s; {r['mfu_formula']}",
         f"split_minibatches collectives: {sum(r['split_collectives'].values())} "
-        f"{r['split_collectives']}",
-        f"train step collectives: outside loops {r['step_collectives']['outside_loops']}, "
-        f"inside loops (per iteration) {r['step_collectives']['inside_loops']}",
+        f"{_nonzero(r['split_collectives'])}",
+        f"train step collectives: outside loops {_nonzero(r['step_collectives']['outside_loops'])}"
+        f", inside loops (per iteration) {_nonzero(r['step_collectives']['inside_loops'])}",
         f"Neuron preflight: {len(r['blockers'])} blockers, {len(r['warnings'])} warnings",
     ]
     lines += [f"  - {x}" for x in r["blockers"] + r["warnings"]]

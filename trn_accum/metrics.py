@@ -36,17 +36,11 @@ _CONSOLE = (
 
 
 def _jsonable(v: Any) -> Any:
-    try:
-        import numpy as np  # noqa: PLC0415
-
-        if isinstance(v, np.generic | np.ndarray):
-            v = v.item()
-    except ImportError:  # pragma: no cover
-        pass
+    """A Python scalar for numpy / JAX scalars; non-finite floats as the strings "nan", "inf"."""
     if hasattr(v, "item") and callable(v.item):
         v = v.item()
     if isinstance(v, float) and not math.isfinite(v):
-        return str(v)  # "nan" / "inf": JSON has no literal for them
+        return str(v)  # JSON has no literal for them
     return v
 
 

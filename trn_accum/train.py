@@ -62,10 +62,13 @@ def make_mesh(cfg: Config, devices: Sequence[Any] | None = None) -> jax.sharding
     devices = list(jax.devices() if devices is None else devices)
     axes = cfg.mesh.axes()
     fixed = math.prod(s for s in axes.values() if s != -1)
+    more = "run on more devices"
+    if devices and devices[0].platform == "cpu":
+        more = f"emulate them: XLA_FLAGS=--xla_force_host_platform_device_count={fixed}"
     if fixed > len(devices) or len(devices) % fixed:
         raise TrainError(
             f"mesh {axes} needs a multiple of {fixed} devices but {len(devices)} are available: "
-            f"lower mesh sizes (e.g. --set mesh.fsdp=...) or run on more devices"
+            f"lower mesh sizes (e.g. --set mesh.fsdp=...) or {more}"
         )
     if -1 not in axes.values() and fixed != len(devices):
         raise TrainError(
@@ -102,6 +105,17 @@ def check_batch(cfg: Config, mesh: jax.sharding.Mesh, global_batch: int | None =
             f"(data x fsdp = {shards}) = {k * shards}: {hint}"
         )
     return k
+
+
+def check_attention(cfg: Config) -> None:
+    """TrainError now (not a traceback at trace time) when "neuron_flash" has no kernels here."""
+    if cfg.model.attention == "neuron_flash":
+        from trn_accum.model import attention  # noqa: PLC0415
+
+        try:
+            attention.load_nki_flash_kernels()
+        except ValueError as e:
+            raise TrainError(str(e)) from None
 
 
 def make_optimizer(cfg: Config):
@@ -294,6 +308,7 @@ class Trainer:
 
     @classmethod
     def build(cls, cfg: Config, devices=None) -> Trainer:
+        check_attention(cfg)
         mesh = make_mesh(cfg, devices)
         check_batch(cfg, mesh)
         tx, lr_fn = make_optimizer(cfg)
@@ -379,10 +394,10 @@ def _prepare_run_dir(run_dir: str) -> None:
 
 
 def _initialize_distributed() -> None:
-    try:
-        from trn_accum import distributed  # noqa: PLC0415
-    except ImportError:
-        return
+    """jax.distributed from Slurm / Kubernetes / explicit env (single process: nothing), and
+    the Neuron env + rbg PRNG on trn2; before any JAX computation."""
+    from trn_accum import distributed  # noqa: PLC0415
+
     distributed.initialize()
 
 
@@ -401,10 +416,8 @@ def _fault(kind: str) -> int | None:
 
 
 def _peak_flops() -> float | None:
-    try:
-        from trn_accum import neuron  # noqa: PLC0415
-    except ImportError:
-        return None
+    from trn_accum import neuron  # noqa: PLC0415
+
     peak = neuron.peak_flops_per_device()
     return float(peak) if peak else None
 
@@ -428,11 +441,20 @@ def run(
 
     `run_dir` holds `checkpoints/` (orbax; the newest committed one is resumed automatically),
     `metrics.jsonl`, `config.json` and, with `profile=(start, stop)`, `profile/` (a
-    jax.profiler trace of the steps with index start..stop-1).
+    jax.profiler trace of the steps numbered start..stop-1, numbered as logged: from 1).
     """
-    from trn_accum.checkpoint import Checkpointer  # noqa: PLC0415
+    from trn_accum.checkpoint import Preemption  # noqa: PLC0415
 
     cfg = load_config(config_path, overrides)
+    # SIGTERM/SIGINT only set a flag from here on (restore and compile can take minutes on
+    # trn2); the loop turns it into a save and EXIT_PREEMPTED.
+    with Preemption() as pre:
+        return _run(cfg, pre, run_dir=run_dir, profile=profile, console=console)
+
+
+def _run(cfg: Config, pre, *, run_dir: str, profile, console) -> int:
+    from trn_accum.checkpoint import Checkpointer  # noqa: PLC0415
+
     _initialize_distributed()
     _prepare_run_dir(run_dir)
     trainer = Trainer.build(cfg)
@@ -472,11 +494,11 @@ def run(
                 f"{cfg.data.global_batch} x {cfg.data.seq_len} in {cfg.trainer.accum_steps} "
                 f"minibatches, steps {start + 1}..{total}"
             )
-            return _loop(trainer, state, start, ckpt, logger, run_dir, profile)
+            return _loop(trainer, state, start, ckpt, logger, run_dir, profile, pre)
 
 
-def _loop(trainer: Trainer, state, start: int, ckpt, logger, run_dir: str, profile) -> int:
-    from trn_accum.checkpoint import EXIT_PREEMPTED, Preemption  # noqa: PLC0415
+def _loop(trainer: Trainer, state, start: int, ckpt, logger, run_dir: str, profile, pre) -> int:
+    from trn_accum.checkpoint import EXIT_PREEMPTED  # noqa: PLC0415
 
     cfg = trainer.cfg
     total = cfg.trainer.steps
@@ -491,54 +513,59 @@ def _loop(trainer: Trainer, state, start: int, ckpt, logger, run_dir: str, profi
     compiled = trainer.compiled_step
     logger.message(f"compiled the train step in {time.perf_counter() - t0:.1f} s")
     batch = trainer.batch(start)
+    if pre.should_stop(start):  # signalled before the first step: the checkpoint is current
+        logger.message(
+            f"preempted (signal {pre.received}) before step {start + 1}: nothing new to save; "
+            f"exit {EXIT_PREEMPTED}"
+        )
+        return EXIT_PREEMPTED
 
     tracing = False
-    with Preemption() as pre:
-        t_prev = time.perf_counter()
-        for s in range(start, total):
-            if profile and s == profile[0]:
-                jax.profiler.start_trace(os.path.join(run_dir, "profile"))
-                tracing = True
-            state, m = compiled(state, batch)
-            done = s + 1
-            if done < total:
-                batch = trainer.batch(done)  # host work while the device runs the step
-            m = jax.device_get(m)
-            now = time.perf_counter()
-            dt = now - t_prev
-            if tracing and (done >= profile[1] or done == total):
-                jax.profiler.stop_trace()
-                tracing = False
-            record = {
-                "loss": float(m["loss"]),
-                "grad_norm": float(m["grad_norm"]),
-                "lr": float(m["lr"]),
-                "tokens_per_s": tokens / dt,
-                "step_time_s": dt,
-                "skipped_steps": int(m["skipped_steps"]),
-                "target_tokens": float(m["target_tokens"]),
-            }
-            if peak:
-                record["mfu"] = flops / dt / (peak * n_dev)
-            logger.log_train(done, record)
-            if cfg.trainer.eval_every and done % cfg.trainer.eval_every == 0:
-                logger.log_eval(done, {"eval_loss": trainer.evaluate(state["params"])})
-            if sigterm_at == done:
-                os.kill(os.getpid(), signal.SIGTERM)
-            if pre.should_stop(done):
-                ckpt.save(done, state, metadata=meta, force=True)
-                ckpt.wait_until_finished()
-                logger.message(
-                    f"preempted (signal {pre.received}): saved {ckpt.step_path(done)}; exit "
-                    f"{EXIT_PREEMPTED}, run the same command again to resume"
-                )
-                return EXIT_PREEMPTED
-            if done < total and ckpt.save(done, state, metadata=meta) and kill_at == done:
-                os.kill(os.getpid(), signal.SIGKILL)
-            t_prev = time.perf_counter()  # eval and checkpoint time is not step time
-        if tracing:
+    t_prev = time.perf_counter()
+    for s in range(start, total):
+        if profile and s + 1 == profile[0]:  # profile = (START, STOP) in logged step numbers
+            jax.profiler.start_trace(os.path.join(run_dir, "profile"))
+            tracing = True
+        state, m = compiled(state, batch)
+        done = s + 1
+        if done < total:
+            batch = trainer.batch(done)  # host work while the device runs the step
+        m = jax.device_get(m)
+        now = time.perf_counter()
+        dt = now - t_prev
+        if tracing and (done + 1 >= profile[1] or done == total):
             jax.profiler.stop_trace()
-        ckpt.save(total, state, metadata=meta, force=True)
-        ckpt.wait_until_finished()
+            tracing = False
+        record = {
+            "loss": float(m["loss"]),
+            "grad_norm": float(m["grad_norm"]),
+            "lr": float(m["lr"]),
+            "tokens_per_s": tokens / dt,
+            "step_time_s": dt,
+            "skipped_steps": int(m["skipped_steps"]),
+            "target_tokens": float(m["target_tokens"]),
+        }
+        if peak:
+            record["mfu"] = flops / dt / (peak * n_dev)
+        logger.log_train(done, record)
+        if cfg.trainer.eval_every and done % cfg.trainer.eval_every == 0:
+            logger.log_eval(done, {"eval_loss": trainer.evaluate(state["params"])})
+        if sigterm_at == done:
+            os.kill(os.getpid(), signal.SIGTERM)
+        if pre.should_stop(done):
+            ckpt.save(done, state, metadata=meta, force=True)
+            ckpt.wait_until_finished()
+            logger.message(
+                f"preempted (signal {pre.received}): saved {ckpt.step_path(done)}; exit "
+                f"{EXIT_PREEMPTED}, run the same command again to resume"
+            )
+            return EXIT_PREEMPTED
+        if done < total and ckpt.save(done, state, metadata=meta) and kill_at == done:
+            os.kill(os.getpid(), signal.SIGKILL)
+        t_prev = time.perf_counter()  # eval and checkpoint time is not step time
+    if tracing:
+        jax.profiler.stop_trace()
+    ckpt.save(total, state, metadata=meta, force=True)
+    ckpt.wait_until_finished()
     logger.message(f"done: step {total}, checkpoint {ckpt.step_path(total)}")
     return 0

@@ -1,0 +1,355 @@
+"""One benchmark report of the real train step: JSON plus a markdown table in the README.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 .venv/bin/python benchmarks/report.py
+
+(`make bench`.) On 8 emulated CPU devices, for the tiny Fuji config (configs/fuji-tiny.toml)
+and a mid-sized one (the same file with 12 layers x 256 hidden, see MID below), using the
+trainer's own pieces (`trn_accum.train.make_train_step`: accumulation, clipping, AdamW, the
+non-finite guard, donated state, explicit shardings), at a fixed global batch:
+
+- collectives of the minibatch split alone, strided (ours) vs contiguous;
+- per k and per `trainer.reduce` ("per_minibatch", "once"): all-reduces over the data groups
+  inside and outside the accumulation loop and the bytes they move per optimizer step (result
+  bytes x loop trip counts, from the compiled HLO's shapes and replica groups);
+- per-device temporary memory (`memory_analysis`), compile time (lower + compile), step time
+  (median of >= 5 runs after a warm-up run; ratio to k=1) and tokens/s.
+
+Writes benchmarks/report.json and replaces the text between `<!-- bench:start -->` and
+`<!-- bench:end -->` in README.md (nothing else; if the markers are missing the README is left
+alone and a warning printed). Prints the markdown.
+
+XLA:CPU figures are a proxy: temporaries are not a trn2 fit check (FACTS.md §7), the CPU
+"collectives" are memory copies between threads, and on a shared 2-core machine times move by
+tens of percent between runs (the load average is recorded).
+
+Why 12 x 256 and not 12 x 768: at 12 x 768 (78.7M parameters) one step of 1024 tokens took
+15-21 s at k=1 and 51-72 s at k=8 here (per-minibatch work on the parameters: gathers, gradient
+reductions, accumulation), so >= 5 timed runs per k would take over 10 minutes. Pass
+`--mid-hidden 768 --mid-heads 12` to measure it anyway.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from trn_accum import hlo, train
+from trn_accum.config import load_config
+from trn_accum.model import fuji
+from trn_accum.sharding import split_minibatches
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = "configs/fuji-tiny.toml"
+START, END = "<!-- bench:start -->", "<!-- bench:end -->"
+REDUCES = ("per_minibatch", "once")
+
+
+def mid_overrides(args) -> list[str]:
+    heads = args.mid_heads
+    return [
+        f"model.num_layers={args.mid_layers}",
+        f"model.hidden_dim={args.mid_hidden}",
+        f"model.num_heads={heads}",
+        f"model.num_kv_heads={max(1, heads // 2)}",
+        f"model.head_dim={args.mid_hidden // heads}",
+        f"model.ffn_dim={3 * args.mid_hidden}",
+        "model.vocab_size=4096",
+        f"model.max_seq_len={args.mid_seq}",
+        "model.compute_dtype=float32",  # XLA:CPU runs bf16 dots in float32 anyway, slower
+        f"data.seq_len={args.mid_seq}",
+        f"data.global_batch={args.mid_batch}",
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Measurements
+
+
+def contiguous_split(batch, k, mesh):
+    """Minibatch i = rows [i·B/k, (i+1)·B/k), stated in the stacked sharding (for contrast)."""
+
+    def one(x):
+        y = x.reshape(k, x.shape[0] // k, *x.shape[1:])
+        return jax.lax.with_sharding_constraint(
+            y, NamedSharding(mesh, P(None, train.BATCH_AXES))
+        )
+
+    return jax.tree.map(one, batch)
+
+
+def split_collectives(mesh, batch_abstract, k) -> dict[str, dict[str, int]]:
+    out = {}
+    for name, fn in (
+        ("strided", lambda b: split_minibatches(b, k, mesh=mesh, batch_spec=train.BATCH_SPEC)),
+        ("contiguous", lambda b: contiguous_split(b, k, mesh)),
+    ):
+        jitted = jax.jit(fn, in_shardings=(train.batch_sharding(mesh),))
+        with jax.set_mesh(mesh):
+            text = jitted.lower(batch_abstract).compile().as_text()
+        counts = hlo.count_collectives(text, hlo.MAIN_COLLECTIVES)["total"]
+        out[name] = {kind: n for kind, n in counts.items() if n}
+    return out
+
+
+def data_all_reduces(module: hlo.HloModule, mesh_shape) -> dict[str, int]:
+    """All-reduces whose replica groups span "data": ops inside / outside loops, bytes per
+    optimizer step (result bytes x trip counts)."""
+    inside = outside = per_step = 0
+    for c in module.collectives():
+        if c.kind != "all-reduce" or "data" not in (
+            hlo.group_axes(c.replica_groups, mesh_shape) or ()
+        ):
+            continue
+        if c.in_loop:
+            inside += 1
+        else:
+            outside += 1
+        per_step += c.bytes * (c.trip_multiplier or 1)
+    return {"inside_loop": inside, "outside_loop": outside, "bytes_per_step": per_step}
+
+
+def time_steps(compiled, state, batch, runs: int, warmup: int):
+    times = []
+    for i in range(warmup + runs):
+        t0 = time.perf_counter()
+        state, metrics = compiled(state, batch)
+        jax.block_until_ready((state, metrics))
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return state, times, jax.device_get(metrics)
+
+
+def bench_config(name, overrides, *, ks, reduces, runs, warmup, log):
+    cfg1 = load_config(ROOT / TINY, [*overrides, "trainer.accum_steps=1"])
+    trainer = train.Trainer.build(cfg1)  # the mesh, optimizer, state shardings, data
+    mesh = trainer.mesh
+    shards = train.batch_shards(mesh)
+    b, s = cfg1.data.global_batch, cfg1.data.seq_len
+    ks = [k for k in ks if b % (k * shards) == 0]
+    state, batch = trainer.init(), trainer.batch(0)
+    tokens = b * s
+    log(
+        f"[{name}] {fuji.num_params(cfg1.model):,} parameters, mesh {dict(mesh.shape)}, batch "
+        f"{b} x {s}, k in {ks}"
+    )
+    k_split = max(k for k in ks if k <= 4)
+    split = split_collectives(mesh, train.abstract_batch(cfg1, mesh), k_split)
+    rows = []
+    for reduce in reduces:
+        for k in ks:
+            if reduce == "once" and k == 1:
+                continue
+            cfg = load_config(
+                ROOT / TINY, [*overrides, f"trainer.accum_steps={k}", f"trainer.reduce={reduce}"]
+            )
+            step = train.make_train_step(
+                cfg, mesh, trainer.tx, trainer.lr_fn, trainer.specs, trainer.state_shardings
+            )
+            t0 = time.perf_counter()
+            with jax.set_mesh(mesh):
+                compiled = step.lower(state, batch).compile()
+            compile_s = time.perf_counter() - t0
+            mem = compiled.memory_analysis()
+            module = hlo.parse_hlo(compiled.as_text())
+            state, times, metrics = time_steps(compiled, state, batch, runs, warmup)
+            med = statistics.median(times)
+            row = {
+                "k": k,
+                "reduce": reduce,
+                "temp_bytes": int(mem.temp_size_in_bytes),
+                "argument_bytes": int(mem.argument_size_in_bytes),
+                "compile_s": round(compile_s, 2),
+                "step_s_median": med,
+                "step_s_runs": [round(t, 4) for t in times],
+                "tokens_per_s": tokens / med,
+                "data_all_reduces": data_all_reduces(module, dict(mesh.shape)),
+                "collectives": {
+                    w: {kind: n for kind, n in c.items() if n}
+                    for w, c in module.count_collectives().items()
+                    if w in ("outside_loops", "inside_loops")
+                },
+                "loss": float(metrics["loss"]),
+            }
+            rows.append(row)
+            log(
+                f"  k={k} {reduce}: temp {row['temp_bytes'] / 2**20:.2f} MiB, compile "
+                f"{compile_s:.1f} s, step {med * 1e3:.0f} ms, data all-reduces "
+                f"{row['data_all_reduces']}"
+            )
+    base = {r["reduce"]: r for r in rows if r["k"] == 1}.get("per_minibatch")
+    for r in rows:
+        if base:
+            r["step_ratio_to_k1"] = r["step_s_median"] / base["step_s_median"]
+            r["temp_ratio_to_k1"] = r["temp_bytes"] / base["temp_bytes"]
+    m = cfg1.model
+    return {
+        "name": name,
+        "overrides": list(overrides),
+        "model": f"{m.num_layers} layers x {m.hidden_dim} hidden, {m.num_heads} heads "
+        f"({m.num_kv_heads} KV) x {m.head_dim}, FFN {m.ffn_dim}, vocab {m.vocab_size}, "
+        f"{m.compute_dtype}, layers {m.layer_loop}, remat {m.remat}",
+        "params": fuji.num_params(m),
+        "mesh": dict(mesh.shape),
+        "global_batch": b,
+        "seq_len": s,
+        "tokens_per_step": tokens,
+        "split_k": k_split,
+        "split_collectives": split,
+        "runs": runs,
+        "warmup": warmup,
+        "rows": rows,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Output
+
+
+def _counts(c: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in c.items()) if c else "none"
+
+
+def _bytes(n: float) -> str:
+    if n >= 2**20:
+        return f"{n / 2**20:.2f} MiB"
+    if n >= 2**10:
+        return f"{n / 2**10:.1f} KiB"
+    return f"{int(n)} B"
+
+
+def markdown(report: dict) -> str:
+    meta = report["meta"]
+    out = [
+        f"Measured with `{meta['command']}` on {meta['devices']} emulated CPU devices "
+        f"(jax {meta['jax']}, {meta['date']}, {meta['cpus']} shared cores, load average "
+        f"{meta['load_before']:.1f} before / {meta['load_after']:.1f} after; total "
+        f"{meta['total_s']:.0f} s). The trainer's real step (accumulation, clipping, AdamW, "
+        "donated state) at a fixed global batch. XLA:CPU is a proxy for trn2: temporaries are "
+        "not a fit check, collectives are memory copies, times are noisy on a shared machine.",
+        "",
+    ]
+    for c in report["configs"]:
+        sp = c["split_collectives"]
+        mesh = ", ".join(f"{a}={n}" for a, n in c["mesh"].items())
+        out += [
+            f"**{c['name']}**: {c['model']}; {c['params']:,} parameters; mesh ({mesh}); batch "
+            f"{c['global_batch']} × {c['seq_len']} = {c['tokens_per_step']:,} tokens per step"
+            + (f" (overrides: `{' '.join(c['overrides'])}`)" if c["overrides"] else "")
+            + ".",
+            f"Split alone at k={c['split_k']}: strided (ours) {_counts(sp['strided'])}; "
+            f"contiguous {_counts(sp['contiguous'])}.",
+            "",
+            f"| k | reduce | data all-reduces in loop / after | data-axis bytes per step | "
+            f"temp per device | compile | step (median of {c['runs']}) | vs k=1 | tokens/s |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in c["rows"]:
+            d = r["data_all_reduces"]
+            ratio = r.get("step_ratio_to_k1")
+            temp_ratio = r.get("temp_ratio_to_k1")
+            out.append(
+                f"| {r['k']} | {r['reduce']} | {d['inside_loop']} / {d['outside_loop']} | "
+                f"{_bytes(d['bytes_per_step'])} | {_bytes(r['temp_bytes'])}"
+                + (f" ({temp_ratio:.2f}×)" if temp_ratio is not None else "")
+                + f" | {r['compile_s']:.1f} s | {r['step_s_median'] * 1e3:.0f} ms | "
+                + (f"{ratio:.2f}" if ratio is not None else "-")
+                + f" | {r['tokens_per_s']:,.0f} |"
+            )
+        out.append("")
+    return "\n".join(out).rstrip() + "\n"
+
+
+def update_readme(path: Path, text: str) -> bool:
+    """Replace what lies between the markers; False (README untouched) if they are missing."""
+    if not path.exists():
+        return False
+    readme = path.read_text(encoding="utf-8")
+    pattern = re.compile(re.escape(START) + r".*?" + re.escape(END), re.S)
+    if len(pattern.findall(readme)) != 1:
+        return False
+    new = pattern.sub(lambda _: f"{START}\n{text}{END}", readme)
+    if new != readme:
+        path.write_text(new, encoding="utf-8")
+    return True
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=5, help="timed runs per step (median)")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--ks", default="1,2,4,8", help="accumulation steps (those that divide)")
+    ap.add_argument("--mid-layers", type=int, default=12)
+    ap.add_argument("--mid-hidden", type=int, default=256)
+    ap.add_argument("--mid-heads", type=int, default=4)
+    ap.add_argument("--mid-seq", type=int, default=64)
+    ap.add_argument("--mid-batch", type=int, default=64)
+    ap.add_argument("--only", choices=("tiny", "mid"), help="one config only")
+    ap.add_argument("--json", default=str(ROOT / "benchmarks" / "report.json"))
+    ap.add_argument("--readme", default=str(ROOT / "README.md"), help="'' to skip")
+    args = ap.parse_args(argv)
+    if jax.device_count() != 8:
+        print(
+            f"need 8 devices, got {jax.device_count()}: run with "
+            "XLA_FLAGS=--xla_force_host_platform_device_count=8",
+            file=sys.stderr,
+        )
+        return 2
+    if args.runs < 5:
+        print(f"--runs {args.runs}: note, the report asks for a median of >= 5", file=sys.stderr)
+
+    def log(msg):
+        print(msg, file=sys.stderr, flush=True)
+
+    ks = [int(k) for k in args.ks.split(",")]
+    t_start, load_before = time.perf_counter(), os.getloadavg()[0]
+    configs = []
+    plan = [("tiny", [], ks), ("mid", mid_overrides(args), ks)]
+    if args.only:
+        plan = [p for p in plan if p[0] == args.only]
+    for name, overrides, kk in plan:
+        label = f"{name} ({TINY})" if name == "tiny" else f"mid ({TINY} + overrides)"
+        configs.append(
+            bench_config(
+                label, overrides, ks=kk, reduces=REDUCES, runs=args.runs, warmup=args.warmup,
+                log=log,
+            )
+        )  # fmt: skip
+    report = {
+        "meta": {
+            "command": "make bench",
+            "jax": jax.__version__,
+            "devices": jax.device_count(),
+            "platform": jax.devices()[0].platform,
+            "cpus": os.cpu_count(),
+            "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
+            "load_before": load_before,
+            "load_after": os.getloadavg()[0],
+            "total_s": time.perf_counter() - t_start,
+            "argv": sys.argv[1:] if argv is None else list(argv),
+        },
+        "configs": configs,
+    }
+    Path(args.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    text = markdown(report)
+    print(text)
+    if args.readme:
+        if update_readme(Path(args.readme), text):
+            log(f"wrote {args.json} and the bench section of {args.readme}")
+        else:
+            log(f"wrote {args.json}; {args.readme} has no {START} ... {END} markers: untouched")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
