@@ -22,6 +22,13 @@ XLA:CPU figures are a proxy: temporaries are not a trn2 fit check (FACTS.md §7)
 "collectives" are memory copies between threads, and on a shared 2-core machine times move by
 tens of percent between runs (the load average is recorded).
 
+XLA:CPU deadlock workaround: the script adds
+`--xla_cpu_enable_concurrency_optimized_scheduler=false` to XLA_FLAGS before JAX starts (unless
+XLA_FLAGS already sets it). With the default scheduler, the tiny config's step at k=2 hangs
+within 30 steps (3 runs of 3 here, jax 0.10.2): devices issue an fsdp all-gather and an
+all-reduce over all devices in different orders and XLA:CPU's in-process rendezvous aborts
+after 40 s. With the flag: 40 steps, no hang.
+
 Why 12 x 256 and not 12 x 768: at 12 x 768 (78.7M parameters) one step of 1024 tokens took
 15-21 s at k=1 and 51-72 s at k=8 here (per-minibatch work on the parameters: gathers, gradient
 reductions, accumulation), so >= 5 timed runs per k would take over 10 minutes. Pass
@@ -40,14 +47,18 @@ import sys
 import time
 from pathlib import Path
 
-import jax
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
+_NO_DEADLOCK = "--xla_cpu_enable_concurrency_optimized_scheduler"
+if _NO_DEADLOCK not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_NO_DEADLOCK}=false".strip()
 
-from trn_accum import hlo, train
-from trn_accum.config import load_config
-from trn_accum.model import fuji
-from trn_accum.sharding import split_minibatches
+import jax  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+from trn_accum import hlo, train  # noqa: E402
+from trn_accum.config import load_config  # noqa: E402
+from trn_accum.model import fuji  # noqa: E402
+from trn_accum.sharding import split_minibatches  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = "configs/fuji-tiny.toml"
@@ -81,9 +92,7 @@ def contiguous_split(batch, k, mesh):
 
     def one(x):
         y = x.reshape(k, x.shape[0] // k, *x.shape[1:])
-        return jax.lax.with_sharding_constraint(
-            y, NamedSharding(mesh, P(None, train.BATCH_AXES))
-        )
+        return jax.lax.with_sharding_constraint(y, NamedSharding(mesh, P(None, train.BATCH_AXES)))
 
     return jax.tree.map(one, batch)
 
@@ -102,16 +111,32 @@ def split_collectives(mesh, batch_abstract, k) -> dict[str, dict[str, int]]:
     return out
 
 
-def data_all_reduces(module: hlo.HloModule, mesh_shape) -> dict[str, int]:
-    """All-reduces whose replica groups span "data": ops inside / outside loops, bytes per
-    optimizer step (result bytes x trip counts)."""
+def accumulation_loop_computations(module: hlo.HloModule, k: int) -> frozenset[str]:
+    """Computations run by the accumulation loop: the body and condition (and everything they
+    call) of the outermost `while` with trip count k. Layer scans are loops too: nested inside
+    it when k > 1, on their own when k = 1 (no accumulation loop)."""
+    if k == 1:
+        return frozenset()
+    roots = []
+    for ins in module.while_loops():
+        if not module.in_loop(ins) and ins.trip_count == k:
+            roots += list(ins.called_computations)
+    if not roots:
+        raise RuntimeError(f"no top-level while loop with trip count {k} in the compiled step")
+    return module.reachable_from(*roots)
+
+
+def data_all_reduces(module: hlo.HloModule, mesh_shape, k: int) -> dict[str, int]:
+    """All-reduces whose replica groups span "data": ops inside / outside the accumulation
+    loop, and bytes per optimizer step (result bytes x the trip counts of enclosing loops)."""
+    acc = accumulation_loop_computations(module, k)
     inside = outside = per_step = 0
     for c in module.collectives():
         if c.kind != "all-reduce" or "data" not in (
             hlo.group_axes(c.replica_groups, mesh_shape) or ()
         ):
             continue
-        if c.in_loop:
+        if c.computation in acc:
             inside += 1
         else:
             outside += 1
@@ -173,7 +198,7 @@ def bench_config(name, overrides, *, ks, reduces, runs, warmup, log):
                 "step_s_median": med,
                 "step_s_runs": [round(t, 4) for t in times],
                 "tokens_per_s": tokens / med,
-                "data_all_reduces": data_all_reduces(module, dict(mesh.shape)),
+                "data_all_reduces": data_all_reduces(module, dict(mesh.shape), k),
                 "collectives": {
                     w: {kind: n for kind, n in c.items() if n}
                     for w, c in module.count_collectives().items()
@@ -231,12 +256,22 @@ def _bytes(n: float) -> str:
 def markdown(report: dict) -> str:
     meta = report["meta"]
     out = [
-        f"Measured with `{meta['command']}` on {meta['devices']} emulated CPU devices "
+        f"Measured with `{meta['command']}` (`XLA_FLAGS=--xla_force_host_platform_device_count=8 "
+        f".venv/bin/python benchmarks/report.py`) on {meta['devices']} emulated CPU devices "
         f"(jax {meta['jax']}, {meta['date']}, {meta['cpus']} shared cores, load average "
         f"{meta['load_before']:.1f} before / {meta['load_after']:.1f} after; total "
         f"{meta['total_s']:.0f} s). The trainer's real step (accumulation, clipping, AdamW, "
         "donated state) at a fixed global batch. XLA:CPU is a proxy for trn2: temporaries are "
         "not a fit check, collectives are memory copies, times are noisy on a shared machine.",
+        "",
+        "Data all-reduces: all-reduces whose replica groups span the `data` axis, inside / "
+        "outside the accumulation loop (the layer scan is a loop too; counted by computation "
+        "membership). Bytes per step: their result bytes × the trip counts of the loops around "
+        "them. XLA:CPU writes an fsdp reduce-scatter as an all-reduce plus a dynamic-slice, and "
+        "per minibatch reduces the tied embedding's two gradient contributions separately, so "
+        "the fall from `per_minibatch` to `once` can exceed k. Runs use "
+        "`--xla_cpu_enable_concurrency_optimized_scheduler=false` (an XLA:CPU collective "
+        "deadlock otherwise, see the script).",
         "",
     ]
     for c in report["configs"]:
@@ -250,7 +285,8 @@ def markdown(report: dict) -> str:
             f"Split alone at k={c['split_k']}: strided (ours) {_counts(sp['strided'])}; "
             f"contiguous {_counts(sp['contiguous'])}.",
             "",
-            f"| k | reduce | data all-reduces in loop / after | data-axis bytes per step | "
+            f"| k | reduce | data all-reduces in / outside the accumulation loop | data-axis bytes "
+            f"per step | "
             f"temp per device | compile | step (median of {c['runs']}) | vs k=1 | tokens/s |",
             "|---|---|---|---|---|---|---|---|---|",
         ]
@@ -333,6 +369,7 @@ def main(argv=None) -> int:
             "platform": jax.devices()[0].platform,
             "cpus": os.cpu_count(),
             "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
+            "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "load_before": load_before,
             "load_after": os.getloadavg()[0],
             "total_s": time.perf_counter() - t_start,

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -90,6 +91,7 @@ class SlurmCluster:
         self.kill_wait = int(kill_wait)
         self.conf = self.root / "slurm.conf"
         self.procs: dict[str, subprocess.Popen] = {}
+        self.first_job_id = random.randrange(1_000, 1_000_000)
 
     # ---------------------------------------------------------------- configuration
     def config_text(self, ctld_port: int, slurmd_port: int) -> str:
@@ -97,6 +99,10 @@ class SlurmCluster:
         return "\n".join(
             [
                 "ClusterName=trnaccumtest",
+                # JAX's Slurm detection puts the coordinator on port JOBID % 4096 + 61440: a
+                # random first job id keeps two clusters on one machine (parallel test runs)
+                # from sharing coordinator ports.
+                f"FirstJobId={self.first_job_id}",
                 "SlurmctldHost=localhost",
                 f"SlurmctldPort={ctld_port}",
                 f"SlurmdPort={slurmd_port}",

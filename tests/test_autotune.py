@@ -2,12 +2,16 @@
 measure, depth extrapolation, and a real search on CPU with a small budget."""
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
 from trn_accum import autotune
-from trn_accum.autotune import AutotuneError, autotune as search
+from trn_accum.autotune import AutotuneError
+from trn_accum.autotune import autotune as search
 from trn_accum.config import load_config
+
+TINY = str(Path(__file__).resolve().parents[1] / "configs" / "fuji-tiny.toml")
 
 
 class Recorder:
@@ -58,7 +62,8 @@ def test_every_candidate_fits_and_none_fits():
 
 
 def test_table_printout():
-    r = search([1, 2, 4, 8], Recorder({1: 3 << 30, 2: 2 << 30, 4: 1 << 30, 8: 1 << 29}), 1.5 * 2**30)
+    table = {1: 3 << 30, 2: 2 << 30, 4: 1 << 30, 8: 1 << 29}
+    r = search([1, 2, 4, 8], Recorder(table), 1.5 * 2**30)
     text = r.format()
     assert "budget 1.50 GiB per device" in text
     assert "chose accum_steps = 4" in text
@@ -79,7 +84,7 @@ def test_extrapolate_linear_in_depth():
 def test_compiled_memory_depth_modes(monkeypatch):
     """CompiledMemory with a fake compiler: extrapolation from two depths, and "auto" choosing
     full depth when the predicted compile is fast, reduced depths when it is slow."""
-    cfg = load_config("configs/fuji-tiny.toml", ["model.num_layers=28"])
+    cfg = load_config(TINY, ["model.num_layers=28"])
     compiled = []
 
     def fake(cfg, mesh, rows, seconds_per_layer):
@@ -107,14 +112,14 @@ def test_compiled_memory_depth_modes(monkeypatch):
 
 
 def test_resolve_keeps_integer_steps_and_uses_budget():
-    cfg = load_config("configs/fuji-tiny.toml", ["trainer.accum_steps=2"])
+    cfg = load_config(TINY, ["trainer.accum_steps=2"])
     assert autotune.resolve_accum_steps(cfg, mesh=None) == (cfg, None)
 
     class Mesh:  # only .shape is read when a measure is injected
         shape = {"data": 4, "fsdp": 2, "model": 1}
 
     cfg = load_config(
-        "configs/fuji-tiny.toml",
+        TINY,
         ["trainer.accum_steps=auto", "data.global_batch=64", "trainer.memory_budget_gib=1.0"],
     )
     gib = 2**30
@@ -129,22 +134,61 @@ def test_resolve_keeps_integer_steps_and_uses_budget():
 
 
 @pytest.mark.slow
-def test_real_search_on_cpu_small_budget():
-    """Tiny Fuji, 8 CPU devices, candidates 1, 2, 4, 8: with a budget between the compiled
-    footprints of k=2 and k=4, auto picks 4, whose compiled memory fits while k/2 = 2's does
-    not. (Compiles are cached by configuration: the search reuses the two measured here.)"""
-    from trn_accum import train
+def test_auto_on_cpu_small_budget_search_dry_run_and_train(tmp_path, monkeypatch):
+    """Tiny Fuji, 8 CPU devices, batch 64: candidates 1, 2, 4, 8. With a budget between the
+    compiled footprints of k=2 and k=4, auto picks 4: its compiled memory fits, k/2 = 2's does
+    not. Then the same through `trn-accum dry-run --set trainer.accum_steps=auto` (the table is
+    printed; the dry-run's own compile of the chosen step fits the budget) and `trn-accum train`
+    (auto resolved before the step is built, table logged). Compiles are cached by
+    configuration: the search, the dry-run and the trainer reuse the two measured here."""
+    import io
+    import json
+
+    from trn_accum import cli, dryrun, train
 
     over = ["data.global_batch=64", "trainer.accum_steps=auto"]
-    cfg = load_config("configs/fuji-tiny.toml", over)
+    cfg = load_config(TINY, over)
     mesh = train.make_mesh(cfg)
     measure = autotune.CompiledMemory(cfg, mesh)
     m2, m4 = measure(2), measure(4)
     assert m4 < m2, (m2, m4)  # activations dominate: memory falls with k
     budget_gib = (m2 + m4) / 2 / 2**30
-    cfg = load_config("configs/fuji-tiny.toml", over + [f"trainer.memory_budget_gib={budget_gib}"])
-    new, r = autotune.resolve_accum_steps(cfg, mesh)
+    over += [f"trainer.memory_budget_gib={budget_gib}"]
+    new, r = autotune.resolve_accum_steps(load_config(TINY, over), mesh)
     assert r.accum_steps == 4 and new.trainer.accum_steps == 4
     assert r.table[4] == m4 <= r.budget_bytes < m2 == r.table[2]
     assert r.candidates == (1, 2, 4, 8)
     assert "full depth, 2 layers" in r.method
+
+    # dry-run (in this 8-device process)
+    sets = [a for o in over for a in ("--set", o)]
+    rep = dryrun.run(TINY, overrides=over, devices=8)
+    assert rep["accum_steps"] == 4 and rep["autotune"]["table"] == {"2": m2, "4": m4}
+    mem = rep["compiled_memory_per_device"]
+    assert mem["argument"] + mem["output"] - mem["alias"] + mem["temp"] == m4 <= r.budget_bytes
+    text = dryrun.format_report(rep)
+    assert 'accum_steps = "auto"' in text and "chose accum_steps = 4" in text
+    assert json.loads(dryrun.format_report(rep, as_json=True))["autotune"]["accum_steps"] == 4
+    assert cli.build_parser().parse_args(["dry-run", "--config", TINY, *sets]).overrides == over
+
+    # train: auto resolved before the step is built and the table logged (the loop itself is
+    # tests/test_train.py's business: skipped here)
+    monkeypatch.setattr(train, "_loop", lambda trainer, *a: trainer.cfg.trainer.accum_steps)
+    console = io.StringIO()
+    rc = train.run(TINY, overrides=over, run_dir=str(tmp_path / "run"), console=console)
+    log = console.getvalue()
+    assert rc == 4, log
+    assert "chose accum_steps = 4" in log and "in 4 minibatches" in log
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert saved["trainer"]["accum_steps"] == 4
+
+
+def test_no_candidate_fits_is_one_line_user_error(monkeypatch):
+    from trn_accum import dryrun, train
+
+    monkeypatch.setattr(autotune, "_compile_step_bytes", lambda cfg, mesh, rows: (10**9, 0.1))
+    over = ["trainer.accum_steps=auto", "trainer.memory_budget_gib=0.5"]
+    with pytest.raises(train.TrainError, match="even the largest candidate k=4 needs 0.93 GiB"):
+        train.Trainer.build(load_config(TINY, over))
+    with pytest.raises(dryrun.DryRunError, match="raise trainer.memory_budget_gib"):
+        dryrun.run(TINY, overrides=over, devices=8)

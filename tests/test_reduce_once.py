@@ -24,7 +24,8 @@ from trn_accum.sharding import build_mesh, constrain, leaf_specs
 
 BATCH_SPEC = P(("data", "fsdp"))
 MESHES = {"data4_fsdp2": {"data": 4, "fsdp": 2}, "data8": {"data": 8, "fsdp": 1}}
-PARAM_SPECS = {"w1": P("fsdp", None), "b1": P(), "w2": P(None, "fsdp")}  # fsdp of size 1: replicated
+# On (data=8) the fsdp axis has size 1: these specs replicate.
+PARAM_SPECS = {"w1": P("fsdp", None), "b1": P(), "w2": P(None, "fsdp")}
 D, H, C, S, B = 16, 64, 8, 4, 64
 
 

@@ -248,6 +248,9 @@ def run(
         )
     node_batch = cfg.data.global_batch // nodes
     mesh = train.make_mesh(cfg, devs)
+    tuned = None
+    if cfg.trainer.accum_steps == "auto":
+        cfg, tuned = _autotune(cfg, mesh, node_batch)
     k = train.check_batch(cfg, mesh, node_batch)
     local_shape = dict(mesh.shape)
     full_shape = resolve_axes(cfg.mesh.axes(), n_dev * nodes)
@@ -328,6 +331,7 @@ def run(
         "seq_len": cfg.data.seq_len,
         "rows_per_node": node_batch,
         "accum_steps": k,
+        "autotune": None if tuned is None else {**tuned.to_dict(), "text": tuned.format()},
         "rows_per_device_group_per_minibatch": rows_per_mb,
         "layers": cfg.model.num_layers,
         "layer_loop": cfg.model.layer_loop,
@@ -393,6 +397,17 @@ def run(
     }
 
 
+def _autotune(cfg: Config, mesh, node_batch: int):
+    """accum_steps = "auto": the smallest k whose compiled step fits trainer.memory_budget_gib
+    per device, for one node's rows on this node's mesh (`trn_accum.autotune`)."""
+    from trn_accum import autotune  # noqa: PLC0415
+
+    try:
+        return autotune.resolve_accum_steps(cfg, mesh, batch_rows=node_batch)
+    except autotune.AutotuneError as e:
+        raise DryRunError(str(e)) from None
+
+
 def _gib(x: float | None) -> str:
     """Bytes in GiB (or MiB / KiB when small)."""
     if x is None:
@@ -421,6 +436,7 @@ def format_report(r: Mapping[str, Any], *, as_json: bool = False) -> str:
         f"batch {r['global_batch']} x {r['seq_len']}: {r['rows_per_node']} rows per node, "
         f"{r['accum_steps']} minibatches ({r['accum_loop']}), "
         f"{r['rows_per_device_group_per_minibatch']} rows per device group per minibatch",
+        *(r["autotune"]["text"].splitlines() if r.get("autotune") else []),
         f"model: {r['layers']} layers ({r['layer_loop']}), attention {r['attention']}, "
         f"remat {r['remat']}",
         f"parameters: {r['params']:,}",

@@ -118,6 +118,23 @@ def check_attention(cfg: Config) -> None:
             raise TrainError(str(e)) from None
 
 
+def resolve_accum_steps(cfg: Config, mesh: jax.sharding.Mesh) -> tuple[Config, Any]:
+    """(cfg with trainer.accum_steps = "auto" replaced by the smallest k whose compiled step fits
+    trainer.memory_budget_gib per device, the `trn_accum.autotune.AutotuneResult`); (cfg, None)
+    when k is given. TrainError if no k fits."""
+    if cfg.trainer.accum_steps != "auto":
+        return cfg, None
+    from trn_accum import autotune  # noqa: PLC0415
+
+    # Every process must pick the same k: compiled bytes agree everywhere, a choice of depth
+    # by measured compile time ("auto") might not.
+    depth = "auto" if jax.process_count() == 1 else "extrapolate"
+    try:
+        return autotune.resolve_accum_steps(cfg, mesh, depth=depth)
+    except autotune.AutotuneError as e:
+        raise TrainError(str(e)) from None
+
+
 def make_optimizer(cfg: Config):
     """(tx, lr_fn) from cfg.optimizer; lr_fn(count) = peak_lr * eta(count)."""
     o = cfg.optimizer
@@ -305,11 +322,13 @@ class Trainer:
     step_fn: Any
     eval_fn: Any
     dataset: Any
+    autotune: Any = None  # the AutotuneResult when trainer.accum_steps was "auto"
 
     @classmethod
     def build(cls, cfg: Config, devices=None) -> Trainer:
         check_attention(cfg)
         mesh = make_mesh(cfg, devices)
+        cfg, tuned = resolve_accum_steps(cfg, mesh)
         check_batch(cfg, mesh)
         tx, lr_fn = make_optimizer(cfg)
         specs = param_specs(cfg, mesh)
@@ -335,6 +354,7 @@ class Trainer:
             step_fn=make_train_step(cfg, mesh, tx, lr_fn, specs, shardings),
             eval_fn=make_eval_step(cfg, mesh, shardings["params"]),
             dataset=dataset,
+            autotune=tuned,
         )
 
     @functools.cached_property
@@ -458,6 +478,7 @@ def _run(cfg: Config, pre, *, run_dir: str, profile, console) -> int:
     _initialize_distributed()
     _prepare_run_dir(run_dir)
     trainer = Trainer.build(cfg)
+    cfg = trainer.cfg  # accum_steps = "auto" resolved
     main = jax.process_index() == 0
     total = cfg.trainer.steps
 
@@ -483,6 +504,8 @@ def _run(cfg: Config, pre, *, run_dir: str, profile, console) -> int:
             enabled=main,
             console=console,
         ) as logger:
+            if trainer.autotune is not None:
+                logger.message(trainer.autotune.format())
             if latest is not None:
                 logger.message(f"resumed from {ckpt.step_path(latest)} (step {start})")
             if start >= total:
