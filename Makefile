@@ -9,7 +9,7 @@ STAMP   := $(VENV)/.installed-stamp
 CPU_DEVICES ?= 8
 export JAX_PLATFORMS ?= cpu
 
-.PHONY: install train test lint bench system-deps clean
+.PHONY: install train test lint bench bench-accum dry-run system-deps clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,8 +33,14 @@ train: $(STAMP)
 	XLA_FLAGS="--xla_force_host_platform_device_count=$(CPU_DEVICES)" \
 	  $(VENV)/bin/trn-accum train --config configs/fuji-tiny.toml --run-dir runs/fuji-tiny
 
-bench: $(STAMP)
+bench: $(STAMP)   ## benchmarks/report.json + the README's figures (4-7 min on 2 cores)
+	XLA_FLAGS="--xla_force_host_platform_device_count=8" $(PY) benchmarks/report.py
+
+bench-accum: $(STAMP)   ## the core accumulation benchmark (figures in docs/design.md)
 	XLA_FLAGS="--xla_force_host_platform_device_count=8" $(PY) benchmarks/accumulation.py
+
+dry-run: $(STAMP)   ## Fuji 3B on one emulated trn2.48xlarge (64 CPU devices)
+	$(VENV)/bin/trn-accum dry-run --config configs/fuji-3b-trn2.toml --devices 64
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -4,6 +4,8 @@ import os
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    # XLA:CPU may deadlock emulated-device collectives without this (see trn_accum.cli).
+    " --xla_cpu_enable_concurrency_optimized_scheduler=false"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 

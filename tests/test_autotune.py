@@ -137,9 +137,9 @@ def test_resolve_keeps_integer_steps_and_uses_budget():
 def test_auto_on_cpu_small_budget_search_dry_run_and_train(tmp_path, monkeypatch):
     """Tiny Fuji, 8 CPU devices, batch 64: candidates 1, 2, 4, 8. With a budget between the
     compiled footprints of k=2 and k=4, auto picks 4: its compiled memory fits, k/2 = 2's does
-    not. Then the same through `trn-accum dry-run --set trainer.accum_steps=auto` (the table is
-    printed; the dry-run's own compile of the chosen step fits the budget) and `trn-accum train`
-    (auto resolved before the step is built, table logged). Compiles are cached by
+    not. Then the same through the dry-run (`dryrun.run` and the text `trn-accum dry-run` prints:
+    the table and the choice; the dry-run's own compile of the chosen step fits the budget) and
+    `train.run` (auto resolved before the step is built, the table logged). Compiles are cached by
     configuration: the search, the dry-run and the trainer reuse the two measured here."""
     import io
     import json

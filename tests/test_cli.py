@@ -422,3 +422,18 @@ def test_exit_code_constant_matches_checkpoint_module():
     from trn_accum import checkpoint, cli
 
     assert cli.EXIT_PREEMPTED == checkpoint.EXIT_PREEMPTED == EXIT_PREEMPTED
+
+
+def test_cpu_fallback_flags_only_on_cpu():
+    from trn_accum.cli import cpu_fallback_flags
+
+    flag = "--xla_cpu_enable_concurrency_optimized_scheduler"
+    env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    cpu_fallback_flags(env)
+    assert f"{flag}=false" in env["XLA_FLAGS"] and "device_count=8" in env["XLA_FLAGS"]
+    env = {"XLA_FLAGS": f"{flag}=true --xla_force_host_platform_device_count=4"}
+    cpu_fallback_flags(env)  # the user's choice wins
+    assert env["XLA_FLAGS"].count(flag) == 1 and f"{flag}=true" in env["XLA_FLAGS"]
+    env = {"JAX_PLATFORMS": "neuron,cpu"}
+    cpu_fallback_flags(env)  # a Neuron run is left alone
+    assert "XLA_FLAGS" not in env

@@ -174,7 +174,7 @@ def autotune(
         raise AutotuneError(
             f"accum_steps = auto: even the largest candidate k={k_max} needs "
             f"{_fmt_bytes(table[k_max])} per device, over the budget of "
-            f"{_fmt_bytes(budget_bytes)} (measured: "
+            f"{_fmt_bytes(budget_bytes)} ({method}: "
             + ", ".join(f"k={k}: {_fmt_bytes(b)}" for k, b in ordered.items())
             + "); raise trainer.memory_budget_gib, shorten data.seq_len, enable model.remat, "
             "or use more devices"

@@ -31,6 +31,26 @@ EXIT_PREEMPTED = 75  # trn_accum.checkpoint.EXIT_PREEMPTED (EX_TEMPFAIL); kept e
 PROG = "trn-accum"
 
 
+# XLA:CPU's concurrency-optimized scheduler may order collectives differently on different
+# emulated devices, and the step then deadlocks in a rendezvous (seen on jax 0.10.2: the tiny
+# config at accum_steps=2 hung in 3 of 3 runs within 30 steps; 0 of 4 with this flag).
+CPU_XLA_FLAGS = ("--xla_cpu_enable_concurrency_optimized_scheduler=false",)
+
+
+def cpu_fallback_flags(environ=os.environ) -> None:
+    """Adds `CPU_XLA_FLAGS` to XLA_FLAGS when this process runs on the CPU fallback
+    (JAX_PLATFORMS starting with cpu, or emulated host devices), before JAX starts; a flag
+    the user already set wins. Never touches a Neuron run."""
+    flags = environ.get("XLA_FLAGS", "")
+    on_cpu = environ.get("JAX_PLATFORMS", "").split(",")[0].strip() == "cpu"
+    if not (on_cpu or "--xla_force_host_platform_device_count" in flags):
+        return
+    for flag in CPU_XLA_FLAGS:
+        if flag.split("=")[0] not in flags:
+            flags = f"{flags} {flag}".strip()
+    environ["XLA_FLAGS"] = flags
+
+
 class UsageError(ValueError):
     """A bad command-line value: one line naming the value, the rule and a fix."""
 
@@ -151,6 +171,7 @@ def _dry_run_env_ready(devices: int) -> bool:
     )
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
     os.environ["JAX_PLATFORMS"] = "cpu"
+    cpu_fallback_flags()
     if jax is not None:
         jax.config.update("jax_platforms", "cpu")
     return True
@@ -218,6 +239,7 @@ def _dispatch(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `trn-accum`. Returns the exit code (also used by `python -m`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    cpu_fallback_flags()
     try:
         return _dispatch(argv)
     except KeyboardInterrupt:
