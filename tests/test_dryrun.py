@@ -136,3 +136,24 @@ def test_dry_run_reexecs_with_its_own_device_count(capfd):
     err = capfd.readouterr().err
     assert "needs a multiple of 32 devices but 16 are available" in err
     assert "Traceback" not in err
+
+
+def test_fit_by_accum_steps_for_one_node_and_the_config_node_count():
+    """The analytic table behind "which k fits 24 GiB at N nodes": one node carries 32x the
+    rows of 32 nodes, so it needs 32x the minibatches for the same per-device activations."""
+    cfg = load_config(F3B)
+    per_node = {"data": 1, "fsdp": 16, "model": 4}
+    budget = 24 * 2**30
+    one, many = (dryrun.fit_by_steps(cfg, per_node, 2**30, n, budget) for n in (1, 32))
+    assert (one["rows_per_group"], many["rows_per_group"]) == (128, 4)
+    for ft in (one, many):
+        sizes = [row["bytes"] for row in ft["table"]]
+        assert sizes == sorted(sizes, reverse=True)  # more minibatches, fewer bytes
+        k = ft["accum_steps"]
+        assert k is not None
+        fitting = {row["k"] for row in ft["table"] if row["bytes"] <= budget}
+        assert k == min(fitting)
+    by_rows = {row["rows_per_minibatch"]: row["bytes"] for row in one["table"]}
+    assert all(by_rows[row["rows_per_minibatch"]] == row["bytes"] for row in many["table"])
+    assert one["accum_steps"] == 32 * many["accum_steps"]
+    assert dryrun.fit_by_steps(cfg, per_node, 2**30, 3, budget)["accum_steps"] is None

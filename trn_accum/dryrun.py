@@ -144,6 +144,34 @@ def activation_estimate(cfg: Config, rows_per_minibatch: int, model_axis: int) -
     }
 
 
+def fit_by_steps(
+    cfg: Config, mesh_per_node: Mapping[str, int], fixed_bytes: int, nodes: int, budget: float
+) -> dict[str, Any]:
+    """Analytic per-device bytes for every valid accum_steps k at `nodes` nodes, and the
+    smallest k that fits `budget` (None if none does).
+
+    fixed_bytes: what does not depend on k (parameters, optimizer state, the float32
+    accumulator and one minibatch's gradient). Per-device state is the same for any node count
+    (nodes replicate over `data`); only the rows per device group change:
+    global_batch / nodes / (data x fsdp per node)."""
+    groups = mesh_per_node.get("data", 1) * mesh_per_node.get("fsdp", 1)
+    b = cfg.data.global_batch
+    if b % nodes or (b // nodes) % groups:
+        return {"nodes": nodes, "rows_per_group": None, "table": [], "accum_steps": None}
+    rows = b // nodes // groups
+    table = []
+    for k in (j for j in range(1, rows + 1) if rows % j == 0):
+        act = activation_estimate(cfg, rows // k, mesh_per_node.get("model", 1))
+        table.append({"k": k, "rows_per_minibatch": rows // k, "bytes": fixed_bytes + act["total"]})
+    fits = [row["k"] for row in table if row["bytes"] <= budget]
+    return {
+        "nodes": nodes,
+        "rows_per_group": rows,
+        "table": table,
+        "accum_steps": min(fits, default=None),
+    }
+
+
 def hlo_dot_flops(module: hlo_lib.HloModule) -> dict[str, Any]:
     """Dot FLOPs per device from a compiled module: once each (`once`) and multiplied by the
     trip counts of the loops they sit in (`with_trips`); `unknown_trips` counts dots in loops
@@ -304,6 +332,10 @@ def run(
     budget = TRN2_DEVICE_BUDGET_GIB * GIB
     state_bytes = p_bytes + g_bytes + o_bytes
     analytic_total = state_bytes + g_bytes + act["total"]  # + one minibatch's gradient
+    fit_nodes = sorted({1, cfg.mesh.nodes, nodes})
+    fit_table = [
+        fit_by_steps(cfg, local_shape, state_bytes + g_bytes, n, budget) for n in fit_nodes
+    ]
 
     # FLOPs.
     fl = train.flops_per_step(cfg)  # the full global batch (all nodes)
@@ -363,6 +395,7 @@ def run(
             if mem is None
             else mem["argument"] + mem["output"] - mem["alias"] + mem["temp"] <= budget,
         },
+        "fit_by_accum_steps": fit_table,
         "flops": {
             "analytic_per_step": fl["total"],
             "analytic_dense_6NT": fl["dense"],
@@ -457,6 +490,20 @@ def format_report(r: Mapping[str, Any], *, as_json: bool = False) -> str:
         f"{_gib(fit['analytic_total_bytes'])} -> {'yes' if fit['analytic_fits'] else 'NO'}; "
         f"compiled CPU {_gib(fit['compiled_total_bytes'])} -> "
         f"{'yes' if fit['compiled_fits'] else 'NO'} (report only)",
+    ]
+    for ft in r.get("fit_by_accum_steps", []):
+        if not ft["table"]:
+            continue
+        need = ft["accum_steps"]
+        cells = ", ".join(
+            f"k={row['k']}: {_gib(row['bytes'])}" for row in ft["table"] if row["k"] <= 256
+        )
+        lines.append(
+            f"analytic per device at {ft['nodes']} node(s) ({ft['rows_per_group']} rows per device "
+            f"group): {cells}; fits {fit['budget_gib']:g} GiB from k="
+            f"{need if need is not None else 'none'}"
+        )
+    lines += [
         f"FLOPs per step: analytic {f['analytic_per_step']:.4g} (6NT {f['analytic_dense_6NT']:.4g}"
         f" + attention {f['analytic_attention']:.4g}), {f['analytic_per_device']:.4g} per device",
         f"  cost_analysis per device {f['cost_analysis_per_device'] or 0:.4g} (loop bodies once);"

@@ -466,6 +466,9 @@ def run(
     from trn_accum.checkpoint import Preemption  # noqa: PLC0415
 
     cfg = load_config(config_path, overrides)
+    # jax.distributed first: in a multi-process run it installs JAX's own SIGTERM notifier,
+    # which would replace our handler if it came after it (then SIGTERM saves nothing).
+    _initialize_distributed()
     # SIGTERM/SIGINT only set a flag from here on (restore and compile can take minutes on
     # trn2); the loop turns it into a save and EXIT_PREEMPTED.
     with Preemption() as pre:
@@ -475,7 +478,6 @@ def run(
 def _run(cfg: Config, pre, *, run_dir: str, profile, console) -> int:
     from trn_accum.checkpoint import Checkpointer  # noqa: PLC0415
 
-    _initialize_distributed()
     _prepare_run_dir(run_dir)
     trainer = Trainer.build(cfg)
     cfg = trainer.cfg  # accum_steps = "auto" resolved
