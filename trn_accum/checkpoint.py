@@ -85,6 +85,16 @@ def abstract_state(tree: Any) -> Any:
     return jax.tree.map(leaf, tree)
 
 
+def make_writable_dir(directory: str) -> None:
+    """Creates `directory` (and parents) and proves it writable with a probe file; OSError
+    otherwise. Callers turn the OSError into their own one-line error."""
+    os.makedirs(directory, exist_ok=True)
+    probe = os.path.join(directory, f".write-probe-{os.getpid()}")
+    with open(probe, "w") as f:
+        f.write("ok")
+    os.remove(probe)
+
+
 class Checkpointer:
     """Save every `save_every` steps (and on demand), keep the newest `keep`, resume the newest.
 
@@ -115,11 +125,7 @@ class Checkpointer:
         if self.save_every < 0:
             raise CheckpointError(f"save_every={save_every} must be >= 0: use 0 to save on demand")
         try:
-            os.makedirs(self.directory, exist_ok=True)
-            probe = os.path.join(self.directory, f".write-probe-{os.getpid()}")
-            with open(probe, "w") as f:
-                f.write("ok")
-            os.remove(probe)
+            make_writable_dir(self.directory)
         except OSError as e:
             raise CheckpointError(
                 f"checkpoint directory {self.directory} is not writable ({e.strerror}): choose "

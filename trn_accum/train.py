@@ -400,12 +400,10 @@ class Trainer:
 
 
 def _prepare_run_dir(run_dir: str) -> None:
+    from trn_accum.checkpoint import make_writable_dir  # noqa: PLC0415
+
     try:
-        os.makedirs(run_dir, exist_ok=True)
-        probe = os.path.join(run_dir, f".write-probe-{os.getpid()}")
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
+        make_writable_dir(run_dir)
     except OSError as e:
         raise TrainError(
             f"run dir {run_dir!r} is not writable ({e.strerror}): pass --run-dir with a "
