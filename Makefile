@@ -11,10 +11,10 @@ export JAX_PLATFORMS ?= cpu
 
 .PHONY: install train test lint bench bench-accum dry-run system-deps clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check -U pip
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]'
+	$(PY) -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[test]'
 	touch $(STAMP)
 
 install: $(STAMP)   ## .venv with the package and its test extra

@@ -31,12 +31,13 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from trn_accum import accumulate_gradients, hlo
-from trn_accum.sharding import build_mesh, constrain, leaf_specs, split_minibatches
+from trn_accum import accumulate_gradients
+from trn_accum.analysis import collectives as coll
+from trn_accum.core.sharding import build_mesh, constrain, leaf_specs, split_minibatches
 
 BATCH_AXES = ("data", "fsdp")
 SPEC = P(BATCH_AXES)
-KINDS = hlo.MAIN_COLLECTIVES
+KINDS = coll.MAIN_COLLECTIVES
 
 
 def make_problem(mesh, *, batch, seq, dim, hidden, classes, layers, seed=0):
@@ -176,15 +177,15 @@ def main(argv=None) -> int:
             ("contiguous", lambda b: contiguous_split(b, 4, mesh)),
         ):
             c = jax.jit(fn).lower(data).compile()
-            counts = hlo.count_collectives(c.as_text())["total"]
+            counts = coll.count_collectives(c.as_text())["total"]
             rows.append((f"split k=4, {name}, {partitioner}: collectives", fmt_counts(counts)))
     jax.config.update("jax_use_shardy_partitioner", shardy)
 
     # 2. The whole step: accumulated (scan, k=4) vs the full batch.
     full_c, _ = timed_compile(jax.value_and_grad(loss_fn), params, data)
     acc4_c, _ = timed_compile(acc_fn(4), params, data)
-    full_counts = hlo.count_collectives(full_c.as_text())
-    acc_counts = hlo.count_collectives(acc4_c.as_text())
+    full_counts = coll.count_collectives(full_c.as_text())
+    acc_counts = coll.count_collectives(acc4_c.as_text())
     rows.append(("full-batch step: collectives", fmt_counts(full_counts["total"])))
     rows.append(
         (
@@ -198,9 +199,9 @@ def main(argv=None) -> int:
     for name, c in (("per_minibatch", acc4_c), ("once", once4_c)):
         ars = [
             x
-            for x in hlo.collectives(c.as_text())
+            for x in coll.collectives(c.as_text())
             if x.kind == "all-reduce"
-            and "data" in (hlo.group_axes(x.replica_groups, mesh.shape) or ())
+            and "data" in (coll.group_axes(x.replica_groups, mesh.shape) or ())
         ]
         inside = sum(x.in_loop for x in ars)
         per_step = sum(x.bytes * (x.trip_multiplier or 1) for x in ars)

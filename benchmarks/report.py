@@ -18,7 +18,7 @@ Writes benchmarks/report.json and replaces the text between `<!-- bench:start --
 `<!-- bench:end -->` in README.md (nothing else; if the markers are missing the README is left
 alone and a warning printed). Prints the markdown.
 
-XLA:CPU figures are a proxy: temporaries are not a trn2 fit check (FACTS.md §7), the CPU
+XLA:CPU figures are a proxy: temporaries are not a trn2 fit check (docs/design.md), the CPU
 "collectives" are memory copies between threads, and on a shared 2-core machine times move by
 tens of percent between runs (the load average is recorded).
 
@@ -55,10 +55,12 @@ import jax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from trn_accum import hlo, train  # noqa: E402
-from trn_accum.config import load_config  # noqa: E402
+from trn_accum.analysis import collectives as coll  # noqa: E402
+from trn_accum.analysis import hlo  # noqa: E402
+from trn_accum.core.sharding import split_minibatches  # noqa: E402
 from trn_accum.model import fuji  # noqa: E402
-from trn_accum.sharding import split_minibatches  # noqa: E402
+from trn_accum.train import loop, step  # noqa: E402
+from trn_accum.train.config import load_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = "configs/fuji-tiny.toml"
@@ -92,7 +94,7 @@ def contiguous_split(batch, k, mesh):
 
     def one(x):
         y = x.reshape(k, x.shape[0] // k, *x.shape[1:])
-        return jax.lax.with_sharding_constraint(y, NamedSharding(mesh, P(None, train.BATCH_AXES)))
+        return jax.lax.with_sharding_constraint(y, NamedSharding(mesh, P(None, step.BATCH_AXES)))
 
     return jax.tree.map(one, batch)
 
@@ -100,13 +102,13 @@ def contiguous_split(batch, k, mesh):
 def split_collectives(mesh, batch_abstract, k) -> dict[str, dict[str, int]]:
     out = {}
     for name, fn in (
-        ("strided", lambda b: split_minibatches(b, k, mesh=mesh, batch_spec=train.BATCH_SPEC)),
+        ("strided", lambda b: split_minibatches(b, k, mesh=mesh, batch_spec=step.BATCH_SPEC)),
         ("contiguous", lambda b: contiguous_split(b, k, mesh)),
     ):
-        jitted = jax.jit(fn, in_shardings=(train.batch_sharding(mesh),))
+        jitted = jax.jit(fn, in_shardings=(step.batch_sharding(mesh),))
         with jax.set_mesh(mesh):
             text = jitted.lower(batch_abstract).compile().as_text()
-        counts = hlo.count_collectives(text, hlo.MAIN_COLLECTIVES)["total"]
+        counts = coll.count_collectives(text, coll.MAIN_COLLECTIVES)["total"]
         out[name] = {kind: n for kind, n in counts.items() if n}
     return out
 
@@ -131,9 +133,9 @@ def data_all_reduces(module: hlo.HloModule, mesh_shape, k: int) -> dict[str, int
     loop, and bytes per optimizer step (result bytes x the trip counts of enclosing loops)."""
     acc = accumulation_loop_computations(module, k)
     inside = outside = per_step = 0
-    for c in module.collectives():
+    for c in coll.collectives(module):
         if c.kind != "all-reduce" or "data" not in (
-            hlo.group_axes(c.replica_groups, mesh_shape) or ()
+            coll.group_axes(c.replica_groups, mesh_shape) or ()
         ):
             continue
         if c.computation in acc:
@@ -157,9 +159,9 @@ def time_steps(compiled, state, batch, runs: int, warmup: int):
 
 def bench_config(name, overrides, *, ks, reduces, runs, warmup, log):
     cfg1 = load_config(ROOT / TINY, [*overrides, "trainer.accum_steps=1"])
-    trainer = train.Trainer.build(cfg1)  # the mesh, optimizer, state shardings, data
+    trainer = loop.Trainer.build(cfg1)  # the mesh, optimizer, state shardings, data
     mesh = trainer.mesh
-    shards = train.batch_shards(mesh)
+    shards = step.batch_shards(mesh)
     b, s = cfg1.data.global_batch, cfg1.data.seq_len
     ks = [k for k in ks if b % (k * shards) == 0]
     state, batch = trainer.init(), trainer.batch(0)
@@ -169,7 +171,7 @@ def bench_config(name, overrides, *, ks, reduces, runs, warmup, log):
         f"{b} x {s}, k in {ks}"
     )
     k_split = max(k for k in ks if k <= 4)
-    split = split_collectives(mesh, train.abstract_batch(cfg1, mesh), k_split)
+    split = split_collectives(mesh, step.abstract_batch(cfg1, mesh), k_split)
     rows = []
     for reduce in reduces:
         for k in ks:
@@ -178,12 +180,8 @@ def bench_config(name, overrides, *, ks, reduces, runs, warmup, log):
             cfg = load_config(
                 ROOT / TINY, [*overrides, f"trainer.accum_steps={k}", f"trainer.reduce={reduce}"]
             )
-            step = train.make_train_step(
-                cfg, mesh, trainer.tx, trainer.lr_fn, trainer.specs, trainer.state_shardings
-            )
             t0 = time.perf_counter()
-            with jax.set_mesh(mesh):
-                compiled = step.lower(state, batch).compile()
+            compiled = step.build_step(cfg, mesh).compiled  # the trainer's own builder
             compile_s = time.perf_counter() - t0
             mem = compiled.memory_analysis()
             module = hlo.parse_hlo(compiled.as_text())
@@ -201,7 +199,7 @@ def bench_config(name, overrides, *, ks, reduces, runs, warmup, log):
                 "data_all_reduces": data_all_reduces(module, dict(mesh.shape), k),
                 "collectives": {
                     w: {kind: n for kind, n in c.items() if n}
-                    for w, c in module.count_collectives().items()
+                    for w, c in coll.count_collectives(module).items()
                     if w in ("outside_loops", "inside_loops")
                 },
                 "loss": float(metrics["loss"]),

@@ -5,7 +5,7 @@
 
 Each process is `python -c CODE` (or `python ARGV...`) with the CPU platform, its own emulated
 device count (the suite's 8 are replaced), and the explicit launch variables that
-`trn_accum.distributed.initialize()` reads: TRN_ACCUM_COORDINATOR=127.0.0.1:<free port>,
+`trn_accum.cluster.distributed.initialize()` reads: TRN_ACCUM_COORDINATOR=127.0.0.1:<free port>,
 TRN_ACCUM_NUM_PROCESSES=N, TRN_ACCUM_PROCESS_ID=i (Slurm and Kubernetes variables removed).
 If any process fails, the others are killed (by PID) and `ProcessesFailed` shows every output;
 on timeout all are killed.
@@ -186,8 +186,8 @@ def run_processes(
                         **(per_rank_env[i] if per_rank_env else {}),
                     },
                 )
-                out = open(Path(tmp) / f"{i}.out", "w+b")  # noqa: SIM115 (closed below)
-                err = open(Path(tmp) / f"{i}.err", "w+b")  # noqa: SIM115
+                out = open(Path(tmp) / f"{i}.out", "w+b")
+                err = open(Path(tmp) / f"{i}.err", "w+b")
                 files.append((out, err))
                 procs.append(
                     subprocess.Popen(

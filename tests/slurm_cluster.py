@@ -1,6 +1,6 @@
 """A real one-node Slurm (slurmctld + slurmd on localhost) in a temporary folder, for the tests.
 
-Recipe (FACTS.md §5): Debian's slurm-wlm 22.05, run as root, `AuthType=auth/none`,
+Recipe: Debian's slurm-wlm 22.05, run as root, `AuthType=auth/none`,
 `CredType=cred/none`, `ProctrackType=proctrack/linuxproc`, `TaskPlugin=task/none`,
 `SelectType=select/cons_tres`, one node `localhost` with `CPUs=2` and `RealMemory` from
 /proc/meminfo, free (non-default) ports, every state/spool/pid/log path inside the folder.
@@ -153,7 +153,7 @@ class SlurmCluster:
             ("slurmctld", ["slurmctld", "-D", "-i", "-f", str(self.conf)]),
             ("slurmd", ["slurmd", "-D", "-N", "localhost", "-f", str(self.conf)]),
         ):
-            log = open(self.root / f"{name}.stdout", "wb")  # noqa: SIM115 (kept by Popen)
+            log = open(self.root / f"{name}.stdout", "wb")
             self.procs[name] = subprocess.Popen(
                 argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
             )

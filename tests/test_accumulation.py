@@ -11,9 +11,11 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from trn_accum import accumulate_gradients, hlo
-from trn_accum.sharding import build_mesh, leaf_specs
-from trn_accum.sharding import constrain as constrain_sharding
+from trn_accum import accumulate_gradients
+from trn_accum.analysis import collectives as coll
+from trn_accum.analysis import hlo
+from trn_accum.core.sharding import build_mesh, leaf_specs
+from trn_accum.core.sharding import constrain as constrain_sharding
 
 D, H, C, S, B = 16, 32, 8, 4, 64  # features, hidden, classes, sequence, global batch
 FSDP_PARAMS = {"w1": P("fsdp", None), "b1": P(), "w2": P(None, "fsdp")}
@@ -272,8 +274,8 @@ def test_no_more_data_movement_than_full_batch(mesh_name):
     """Collectives that move activations/inputs: accumulated (outside loops + inside while
     bodies, once each) <= the full-batch step of the same loss."""
     acc, full, _, _ = compiled_step(mesh_name, 4, "scan")
-    a = hlo.count_collectives(acc.as_text())
-    f = hlo.count_collectives(full.as_text())
+    a = coll.count_collectives(acc.as_text())
+    f = coll.count_collectives(full.as_text())
     for kind in ("all-to-all", "collective-permute", "all-gather"):
         n_acc = a["outside_loops"][kind] + a["inside_loops"][kind]
         assert n_acc <= f["total"][kind], (kind, a, f)
@@ -307,7 +309,7 @@ def test_contiguous_split_moves_data_in_the_step():
     axes, spec, pspecs = MESHES["data2_fsdp4"]
     mesh, params, batch = place("data2_fsdp4", *make_inputs(4))
     step = _contiguous_loss_step(mesh, spec, pspecs, 4)
-    counts = hlo.count_collectives(jax.jit(step).lower(params, batch).compile().as_text())
+    counts = coll.count_collectives(jax.jit(step).lower(params, batch).compile().as_text())
     moved = counts["outside_loops"]["all-to-all"] + counts["outside_loops"]["collective-permute"]
     moved += counts["inside_loops"]["all-to-all"] + counts["inside_loops"]["collective-permute"]
     assert moved >= 2, counts
@@ -317,7 +319,7 @@ def _modified_carry_shapes(m):
     """Shapes of the while-loop carry elements that the body changes (not pass-through)."""
     shapes = []
     for w in m.while_loops():
-        body = m.computations[hlo._names_in(w.attrs["body"], bare_ok=True)[0]]
+        body, _ = m.loop_parts(w)
         root = body.root
         param = next(i for i in body.instructions if i.opcode == "parameter")
         for idx, name in enumerate(root.operands):
@@ -458,8 +460,8 @@ def _data_all_reduces(compiled, mesh_name):
     axes = MESHES[mesh_name][0]
     return [
         c
-        for c in hlo.collectives(compiled.as_text())
-        if c.kind == "all-reduce" and "data" in (hlo.group_axes(c.replica_groups, axes) or ())
+        for c in coll.collectives(compiled.as_text())
+        if c.kind == "all-reduce" and "data" in (coll.group_axes(c.replica_groups, axes) or ())
     ]
 
 

@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from trn_accum.accumulation import accumulate_gradients
-from trn_accum.model import attention as attn
-from trn_accum.model.attention import attention, blockwise_attention, nki_flash_attention
+from trn_accum.core.accumulate import accumulate_gradients
+from trn_accum.core.sharding import build_mesh
+from trn_accum.model.attention import attention, blockwise_attention
 from trn_accum.model.xent import cross_entropy
-from trn_accum.sharding import build_mesh
+from trn_accum.neuron import kernels as nki_kernels
+from trn_accum.neuron.kernels import nki_flash_attention
 
 B, S, H, KV, DH = 2, 24, 4, 2, 16
 # float32, rtol 1e-5; plus an absolute 1e-5 of the array's largest entry, for entries that are
@@ -284,7 +285,7 @@ def test_neuron_flash_dispatch_shards_over_mesh(monkeypatch, sharded_reference, 
     """attention(impl="neuron_flash", mesh=...) runs the kernels per device: batch over
     data x fsdp, heads over model; equal to blockwise on the whole arrays."""
     kernels = _stand_ins()
-    monkeypatch.setattr(attn, "load_nki_flash_kernels", lambda: kernels)
+    monkeypatch.setattr(nki_kernels, "load_nki_flash_kernels", lambda: kernels)
     axis_types = (getattr(jax.sharding.AxisType, axis_type),) * 3
     mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "model"), axis_types)
     (q, k, v, ct), want = sharded_reference

@@ -6,10 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from trn_accum import autotune
-from trn_accum.autotune import AutotuneError
-from trn_accum.autotune import autotune as search
-from trn_accum.config import load_config
+from trn_accum.analysis import autotune
+from trn_accum.analysis.autotune import AutotuneError
+from trn_accum.analysis.autotune import autotune as search
+from trn_accum.train import autok
+from trn_accum.train.config import load_config
 
 TINY = str(Path(__file__).resolve().parents[1] / "configs" / "fuji-tiny.toml")
 
@@ -95,9 +96,9 @@ def test_compiled_memory_depth_modes(monkeypatch):
     for per_layer, mode in ((0.1, "full"), (5.0, "extrapolate")):
         compiled.clear()
         monkeypatch.setattr(
-            autotune, "_compile_step_bytes", lambda c, m, r, s=per_layer: fake(c, m, r, s)
+            autok, "_compile_step_bytes", lambda c, m, r, s=per_layer: fake(c, m, r, s)
         )
-        m = autotune.CompiledMemory(cfg, mesh=None, batch_rows=64)
+        m = autok.CompiledMemory(cfg, mesh=None, batch_rows=64)
         exact = 1000 + 10 * 28 * 64 // 4
         assert m(4) == exact  # the fake is linear in depth: extrapolation is exact
         assert m.mode == mode
@@ -113,7 +114,7 @@ def test_compiled_memory_depth_modes(monkeypatch):
 
 def test_resolve_keeps_integer_steps_and_uses_budget():
     cfg = load_config(TINY, ["trainer.accum_steps=2"])
-    assert autotune.resolve_accum_steps(cfg, mesh=None) == (cfg, None)
+    assert autok.resolve_accum_steps(cfg, mesh=None) == (cfg, None)
 
     class Mesh:  # only .shape is read when a measure is injected
         shape = {"data": 4, "fsdp": 2, "model": 1}
@@ -124,7 +125,7 @@ def test_resolve_keeps_integer_steps_and_uses_budget():
     )
     gib = 2**30
     m = Recorder({1: 3 * gib, 2: 2 * gib, 4: gib, 8: gib // 2})
-    new, r = autotune.resolve_accum_steps(cfg, Mesh(), measure=m)
+    new, r = autok.resolve_accum_steps(cfg, Mesh(), measure=m)
     assert r.accum_steps == 4 and r.candidates == (1, 2, 4, 8)
     assert new.trainer.accum_steps == 4
     assert dataclasses.replace(new, trainer=cfg.trainer) == cfg
@@ -139,22 +140,23 @@ def test_auto_on_cpu_small_budget_search_dry_run_and_train(tmp_path, monkeypatch
     compiled footprints of k=2 and k=4, auto picks 4: its compiled memory fits, k/2 = 2's does
     not. Then the same through the dry-run (`dryrun.run` and the text `trn-accum dry-run` prints:
     the table and the choice; the dry-run's own compile of the chosen step fits the budget) and
-    `train.run` (auto resolved before the step is built, the table logged). Compiles are cached by
+    `loop.run` (auto resolved before the step is built, the table logged). Compiles are cached by
     configuration: the search, the dry-run and the trainer reuse the two measured here."""
     import io
     import json
 
-    from trn_accum import cli, dryrun, train
+    from trn_accum import cli
+    from trn_accum.train import dryrun, loop, step
 
     over = ["data.global_batch=64", "trainer.accum_steps=auto"]
     cfg = load_config(TINY, over)
-    mesh = train.make_mesh(cfg)
-    measure = autotune.CompiledMemory(cfg, mesh)
+    mesh = step.make_mesh(cfg)
+    measure = autok.CompiledMemory(cfg, mesh)
     m2, m4 = measure(2), measure(4)
     assert m4 < m2, (m2, m4)  # activations dominate: memory falls with k
     budget_gib = (m2 + m4) / 2 / 2**30
     over += [f"trainer.memory_budget_gib={budget_gib}"]
-    new, r = autotune.resolve_accum_steps(load_config(TINY, over), mesh)
+    new, r = autok.resolve_accum_steps(load_config(TINY, over), mesh)
     assert r.accum_steps == 4 and new.trainer.accum_steps == 4
     assert r.table[4] == m4 <= r.budget_bytes < m2 == r.table[2]
     assert r.candidates == (1, 2, 4, 8)
@@ -173,9 +175,9 @@ def test_auto_on_cpu_small_budget_search_dry_run_and_train(tmp_path, monkeypatch
 
     # train: auto resolved before the step is built and the table logged (the loop itself is
     # tests/test_train.py's business: skipped here)
-    monkeypatch.setattr(train, "_loop", lambda trainer, *a: trainer.cfg.trainer.accum_steps)
+    monkeypatch.setattr(loop, "_loop", lambda trainer, *a: trainer.cfg.trainer.accum_steps)
     console = io.StringIO()
-    rc = train.run(TINY, overrides=over, run_dir=str(tmp_path / "run"), console=console)
+    rc = loop.run(TINY, overrides=over, run_dir=str(tmp_path / "run"), console=console)
     log = console.getvalue()
     assert rc == 4, log
     assert "chose accum_steps = 4" in log and "in 4 minibatches" in log
@@ -184,11 +186,11 @@ def test_auto_on_cpu_small_budget_search_dry_run_and_train(tmp_path, monkeypatch
 
 
 def test_no_candidate_fits_is_one_line_user_error(monkeypatch):
-    from trn_accum import dryrun, train
+    from trn_accum.train import dryrun, loop
 
-    monkeypatch.setattr(autotune, "_compile_step_bytes", lambda cfg, mesh, rows: (10**9, 0.1))
+    monkeypatch.setattr(autok, "_compile_step_bytes", lambda cfg, mesh, rows: (10**9, 0.1))
     over = ["trainer.accum_steps=auto", "trainer.memory_budget_gib=0.5"]
-    with pytest.raises(train.TrainError, match="even the largest candidate k=4 needs 0.93 GiB"):
-        train.Trainer.build(load_config(TINY, over))
-    with pytest.raises(dryrun.DryRunError, match="raise trainer.memory_budget_gib"):
+    with pytest.raises(AutotuneError, match="even the largest candidate k=4 needs 0.93 GiB"):
+        loop.Trainer.build(load_config(TINY, over))
+    with pytest.raises(AutotuneError, match="raise trainer.memory_budget_gib"):
         dryrun.run(TINY, overrides=over, devices=8)

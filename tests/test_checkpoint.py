@@ -20,8 +20,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from trn_accum.checkpoint import (
-    EXIT_PREEMPTED,
+from trn_accum.errors import EXIT_PREEMPTED
+from trn_accum.train.checkpoint import (
     Checkpointer,
     CheckpointError,
     Preemption,
@@ -139,7 +139,7 @@ def test_uncommitted_newest_is_skipped_with_warning(tmp_path, caplog):
     shutil.copytree(tmp_path / "2", tmp)
     os.remove(tmp / "commit_success.txt")
     before = _listing(tmp_path)
-    with caplog.at_level(logging.WARNING, logger="trn_accum.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="trn_accum.train.checkpoint"):
         ck = Checkpointer(str(tmp_path))
         assert ck.latest_step() == 2
         restored, meta = ck.restore(abstract_state(_state(0, mesh)))
@@ -219,7 +219,7 @@ _SAVER = textwrap.dedent(
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     from orbax.checkpoint._src.path import atomicity
-    from trn_accum.checkpoint import Checkpointer
+    from trn_accum.train.checkpoint import Checkpointer
 
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "fsdp"))
     sh = NamedSharding(mesh, P("fsdp"))
@@ -267,7 +267,7 @@ def test_sigkill_during_save_resumes_from_previous(tmp_path, caplog):
         "v": jax.ShapeDtypeStruct((1024, 1024), jnp.float32, sharding=NamedSharding(mesh, P())),
         "step": jax.ShapeDtypeStruct((), jnp.int32),
     }
-    with caplog.at_level(logging.WARNING, logger="trn_accum.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="trn_accum.train.checkpoint"):
         ck = Checkpointer(str(tmp_path))
         restored, meta = ck.restore(target)
         ck.close()
@@ -281,7 +281,7 @@ _RESTORE_4 = textwrap.dedent(
     import sys, json
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    from trn_accum.checkpoint import Checkpointer
+    from trn_accum.train.checkpoint import Checkpointer
     assert jax.device_count() == 4
     mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("fsdp", "model"))
     target = {
@@ -354,7 +354,8 @@ _TRAINER = textwrap.dedent(
     signal_at = int(sys.argv[5])  # step at which process 1 signals itself; -1: wait for parent
     if nproc > 1:
         jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=nproc, process_id=pid)
-    from trn_accum.checkpoint import Checkpointer, Preemption, EXIT_PREEMPTED
+    from trn_accum.errors import EXIT_PREEMPTED
+    from trn_accum.train.checkpoint import Checkpointer, Preemption
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "fsdp"))
     sh = NamedSharding(mesh, P(("data", "fsdp")))
     x = jax.make_array_from_callback((16,), sh, lambda idx: np.zeros(16, np.float32)[idx])

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from trn_accum.metrics import read_metrics
+from trn_accum.train.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "fuji-tiny.toml")
@@ -41,14 +41,17 @@ def _env(devices=8, **extra):
         env["JAX_COMPILATION_CACHE_DIR"] = _JAX_CACHE[0]
         env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
         env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
-    env.pop("TRN_ACCUM_TEST_FAULT", None)
     env.update(extra)
     return env
 
 
-def cli(*args, env=None, timeout=300, **kw):
+def cli(*args, env=None, timeout=300, fault=None, **kw):
+    """`trn-accum ARGS` in a subprocess; `fault`: KIND=STEP injected by tests/fault_driver.py."""
+    cmd = [sys.executable, "-m", "trn_accum.cli"]
+    if fault:
+        cmd = [sys.executable, str(ROOT / "tests" / "fault_driver.py"), fault, "--"]
     return subprocess.run(
-        [sys.executable, "-m", "trn_accum.cli", *map(str, args)],
+        [*cmd, *map(str, args)],
         env=env or _env(),
         cwd=ROOT,
         capture_output=True,
@@ -62,29 +65,24 @@ def train(run_dir, *sets, fault=None):
     args = ["train", "--config", TINY, "--run-dir", run_dir]
     for s in sets:
         args += ["--set", s]
-    env = _env(**({"TRN_ACCUM_TEST_FAULT": fault} if fault else {}))
-    return cli(*args, env=env)
+    return cli(*args, fault=fault)
 
 
 def _train_records(run_dir):
     return {r["step"]: r for r in read_metrics(run_dir) if r["kind"] == "train"}
 
 
-def _final_params(run_dir, step):
-    """The params of checkpoint `step`, as numpy, restored in this (8-device) process."""
-    from trn_accum import train as train_lib
-    from trn_accum.checkpoint import Checkpointer
-    from trn_accum.config import load_config
+def _final_params(run_dir, at_step):
+    """The params of checkpoint `at_step`, as numpy, restored in this (8-device) process."""
+    from trn_accum.train import step
+    from trn_accum.train.checkpoint import Checkpointer
+    from trn_accum.train.config import load_config
 
     cfg = load_config(TINY)
-    mesh = train_lib.make_mesh(cfg)
-    tx, _ = train_lib.make_optimizer(cfg)
-    abstract = train_lib.abstract_state(cfg, tx)
-    shardings = train_lib.named(
-        mesh, train_lib.state_specs(tx, abstract, train_lib.param_specs(cfg, mesh))
-    )
+    program = step.build_step(cfg, step.make_mesh(cfg))
+    target, _ = program.abstract_inputs()
     with Checkpointer(os.path.join(run_dir, "checkpoints")) as ck:
-        state, _ = ck.restore(train_lib.restore_target(abstract, shardings), step)
+        state, _ = ck.restore(target, at_step)
     import jax
 
     return jax.device_get(state)
@@ -419,9 +417,9 @@ def test_corrupt_newest_checkpoint_is_one_line_and_kept(done_run, tmp_path):
 
 
 def test_exit_code_constant_matches_checkpoint_module():
-    from trn_accum import checkpoint, cli
+    from trn_accum import errors
 
-    assert cli.EXIT_PREEMPTED == checkpoint.EXIT_PREEMPTED == EXIT_PREEMPTED
+    assert errors.EXIT_PREEMPTED == errors.EXIT_PREEMPTED == EXIT_PREEMPTED
 
 
 def test_cpu_fallback_flags_only_on_cpu():

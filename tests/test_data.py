@@ -13,17 +13,17 @@ import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from trn_accum.data import (
+from trn_accum.train.data import (
     DataError,
     SyntheticDataset,
     TokenDataset,
     check_vocab,
     global_batch,
     make_dataset,
-    prepare_data,
     process_rows,
     read_meta,
 )
+from trn_accum.train.prepare import prepare_data
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -321,7 +321,7 @@ _WORKER = textwrap.dedent(
     pid = int(sys.argv[1])
     jax.distributed.initialize(f"127.0.0.1:{sys.argv[2]}", num_processes=2, process_id=pid)
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    from trn_accum.data import SyntheticDataset, global_batch
+    from trn_accum.train.data import SyntheticDataset, global_batch
 
     class Spy(SyntheticDataset):
         asked = []

@@ -23,8 +23,8 @@ from multiprocess import (
     train_losses,
 )
 
-from trn_accum import distributed as dist
-from trn_accum.distributed import LaunchError, derive_launch, expand_nodelist
+from trn_accum.cluster import distributed as dist
+from trn_accum.cluster.distributed import LaunchError, derive_launch, expand_nodelist
 
 
 def slurm_env(nodelist: str, ntasks: int, procid: int, job_id: int = 4321, **extra) -> dict:
@@ -307,8 +307,8 @@ ACCUM_PROGRAM = textwrap.dedent(
     import jax, jax.numpy as jnp, numpy as np
     from jax.experimental import multihost_utils
     from jax.sharding import NamedSharding, PartitionSpec as P
-    from trn_accum.accumulation import accumulate_gradients
-    from trn_accum.sharding import build_mesh
+    from trn_accum.core.accumulate import accumulate_gradients
+    from trn_accum.core.sharding import build_mesh
 
     def compute():
         mesh = build_mesh({"data": -1, "fsdp": 2})
@@ -349,7 +349,7 @@ ACCUM_PROGRAM = textwrap.dedent(
 
 ACCUM_WORKER = (
     "import sys\n"
-    "from trn_accum.distributed import initialize\n"
+    "from trn_accum.cluster.distributed import initialize\n"
     "info = initialize()\n"
     + ACCUM_PROGRAM
     + textwrap.dedent(
@@ -384,7 +384,7 @@ def test_accumulated_gradients_two_processes_equal_one_process(tmp_path):
 NEURON_WORKER = textwrap.dedent(
     """
     import os, json
-    from trn_accum.distributed import initialize
+    from trn_accum.cluster.distributed import initialize
     info = initialize(neuron=True)   # the Neuron path, run on CPU: env + PRNG, then jax.distributed
     import jax, jax.numpy as jnp
     from jax.experimental import multihost_utils
@@ -420,7 +420,7 @@ def test_initialize_neuron_path_exports_env_and_rbg():
 FATE_WORKER = textwrap.dedent(
     """
     import time
-    from trn_accum.distributed import initialize
+    from trn_accum.cluster.distributed import initialize
     info = initialize(heartbeat_timeout_seconds=5)
     import jax, jax.numpy as jnp
     from jax.experimental import multihost_utils

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from trn_accum import eks
+from trn_accum.cluster import eks
 
 REPO = Path(__file__).resolve().parents[1]
 DOCKERFILE = REPO / "Dockerfile"

@@ -12,9 +12,13 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from trn_accum import cli, dryrun, hlo, neuron
-from trn_accum.config import load_config
+from trn_accum import cli
+from trn_accum.analysis import hlo, memory
+from trn_accum.core.sharding import resolve_axes
 from trn_accum.model import fuji
+from trn_accum.neuron import preflight as neuron
+from trn_accum.train import dryrun
+from trn_accum.train.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "fuji-tiny.toml")
@@ -87,7 +91,7 @@ def test_hlo_dot_flops_multiplies_loop_trips():
     w = jax.ShapeDtypeStruct((16, 16), jnp.float32)
     xs = jax.ShapeDtypeStruct((5, 8, 16), jnp.float32)
     module = hlo.parse_hlo(jax.jit(f).lower(w, xs).compile().as_text())
-    dots = dryrun.hlo_dot_flops(module)
+    dots = hlo.dot_flops(module)
     one = 2 * 8 * 16 * 16
     assert dots["once"] == one and dots["with_trips"] == 5 * one
     assert dots["unknown_trips"] == 0
@@ -95,13 +99,13 @@ def test_hlo_dot_flops_multiplies_loop_trips():
 
 def test_shard_bytes_and_resolve_axes():
     P = jax.sharding.PartitionSpec
-    mesh = dryrun.resolve_axes({"data": -1, "fsdp": 16, "model": 4}, 64 * 32)
+    mesh = resolve_axes({"data": -1, "fsdp": 16, "model": 4}, 64 * 32)
     assert mesh == {"data": 32, "fsdp": 16, "model": 4}
-    assert dryrun.shard_bytes((131072, 3072), jnp.float32, P("model", "fsdp"), mesh) == (
+    assert memory.shard_bytes((131072, 3072), jnp.float32, P("model", "fsdp"), mesh) == (
         131072 * 3072 * 4 // 64
     )
-    assert dryrun.shard_bytes((10, 3), jnp.bfloat16, P(("data", "fsdp")), mesh) == 1 * 3 * 2
-    est = dryrun.activation_estimate(load_config(F3B), rows_per_minibatch=1, model_axis=4)
+    assert memory.shard_bytes((10, 3), jnp.bfloat16, P(("data", "fsdp")), mesh) == 1 * 3 * 2
+    est = memory.activation_estimate(load_config(F3B), rows_per_minibatch=1, model_axis=4)
     assert est["tokens_per_device"] == 8192
     assert est["saved_per_layer"] == 8192 * 2 * (2 * 3072 + (2 * 24 + 2 * 8) * 128 // 4)
     assert math.isclose(est["total"], sum(est[k] for k in (
@@ -112,7 +116,7 @@ def _check_blockers_make_dry_run_exit_nonzero(tiny_report, monkeypatch, capsys):
     blocker = neuron.Finding(neuron.BLOCKER, "conditional", "a conditional", "c.1", "main")
     warning = neuron.Finding(neuron.WARNING, "threefry", "threefry ops", "t.1", "main")
     monkeypatch.setattr(neuron, "preflight", lambda text, **kw: [blocker, warning])
-    blockers, warnings = dryrun._findings("unused")
+    blockers, warnings = dryrun.preflight_findings("unused")
     assert blockers == ["blocker: conditional: a conditional"]
     assert warnings == ["warning: threefry: threefry ops"]
     monkeypatch.setattr(
@@ -144,7 +148,7 @@ def test_fit_by_accum_steps_for_one_node_and_the_config_node_count():
     cfg = load_config(F3B)
     per_node = {"data": 1, "fsdp": 16, "model": 4}
     budget = 24 * 2**30
-    one, many = (dryrun.fit_by_steps(cfg, per_node, 2**30, n, budget) for n in (1, 32))
+    one, many = (memory.fit_by_steps(cfg, per_node, 2**30, n, budget) for n in (1, 32))
     assert (one["rows_per_group"], many["rows_per_group"]) == (128, 4)
     for ft in (one, many):
         sizes = [row["bytes"] for row in ft["table"]]
@@ -156,4 +160,4 @@ def test_fit_by_accum_steps_for_one_node_and_the_config_node_count():
     by_rows = {row["rows_per_minibatch"]: row["bytes"] for row in one["table"]}
     assert all(by_rows[row["rows_per_minibatch"]] == row["bytes"] for row in many["table"])
     assert one["accum_steps"] == 32 * many["accum_steps"]
-    assert dryrun.fit_by_steps(cfg, per_node, 2**30, 3, budget)["accum_steps"] is None
+    assert memory.fit_by_steps(cfg, per_node, 2**30, 3, budget)["accum_steps"] is None

@@ -11,9 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from trn_accum import eks
-from trn_accum.distributed import derive_launch
-from trn_accum.eks import RenderError, manifests, render_eks
+from trn_accum.cluster.distributed import derive_launch
+from trn_accum.cluster.eks import RenderError, manifests, render_eks
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "launch" / "eks" / "fuji-3b-trn2-4nodes.yaml"
@@ -191,13 +190,17 @@ def test_bad_values_are_one_line_errors(kwargs, fragment):
     assert isinstance(e.value, ValueError)
 
 
-def test_main_writes_the_file(tmp_path):
+def test_cli_writes_the_file(tmp_path, capsys):
+    from trn_accum import cli
+
     out = tmp_path / "sub" / "eks.yaml"
     argv = ["--nodes", "4", "--image", EXAMPLE_IMAGE, "--set", "trainer.accum_steps=32"]
-    assert eks.main([*argv, "-o", str(out)]) == 0
+    assert cli.main(["render-eks", *argv, "-o", str(out)]) == 0
     assert out.read_text() == EXAMPLE.read_text()
-    with pytest.raises(RenderError, match="--nodes"):
-        eks.main(["--image", IMAGE])  # missing --nodes: one line, no usage block
+    capsys.readouterr()
+    assert cli.main(["render-eks", "--image", IMAGE]) == 2  # missing --nodes: one line
+    err = capsys.readouterr().err.strip()
+    assert "--nodes" in err and "\n" not in err and err.startswith("trn-accum: error:")
 
 
 def test_cli_render_eks(tmp_path, capsys):

@@ -7,7 +7,8 @@ import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from trn_accum import hlo
+from trn_accum.analysis import collectives as coll
+from trn_accum.analysis import hlo
 
 
 def _mesh(shape, names, devices=None):
@@ -60,16 +61,16 @@ def _compiled(f, *args):
     ],
 )
 def test_parse_replica_group_forms(text, groups):
-    assert hlo.parse_replica_groups(text, num_devices=8) == groups
+    assert coll.parse_replica_groups(text, num_devices=8) == groups
 
 
 def test_group_axes():
     sizes = {"data": 2, "fsdp": 4}
-    assert hlo.group_axes(((0, 4), (1, 5), (2, 6), (3, 7)), sizes) == ("data",)
-    assert hlo.group_axes(((0, 1, 2, 3), (4, 5, 6, 7)), sizes) == ("fsdp",)
-    assert hlo.group_axes((tuple(range(8)),), sizes) == ("data", "fsdp")
-    assert hlo.group_axes(tuple((i,) for i in range(8)), sizes) == ()
-    assert hlo.group_axes(((0, 2), (1, 3), (4, 6), (5, 7)), sizes) is None  # sub-axis of fsdp
+    assert coll.group_axes(((0, 4), (1, 5), (2, 6), (3, 7)), sizes) == ("data",)
+    assert coll.group_axes(((0, 1, 2, 3), (4, 5, 6, 7)), sizes) == ("fsdp",)
+    assert coll.group_axes((tuple(range(8)),), sizes) == ("data", "fsdp")
+    assert coll.group_axes(tuple((i,) for i in range(8)), sizes) == ()
+    assert coll.group_axes(((0, 2), (1, 3), (4, 6), (5, 7)), sizes) is None  # sub-axis of fsdp
 
 
 _HANDWRITTEN = """\
@@ -133,16 +134,16 @@ def test_handwritten_module():
     assert w.opcode == "while" and w.trip_count == 4
     assert set(w.called_computations) == {"cond", "body"}
     assert [a.dtype for a in w.shapes] == ["s32"] + ["f32"] * 5
-    by_kind = {c.kind: c for c in m.collectives()}
-    assert len(m.collectives()) == 4  # the async pairs count once
-    ar_outside = [c for c in m.collectives() if c.kind == "all-reduce" and not c.in_loop]
+    by_kind = {c.kind: c for c in coll.collectives(m)}
+    assert len(coll.collectives(m)) == 4  # the async pairs count once
+    ar_outside = [c for c in coll.collectives(m) if c.kind == "all-reduce" and not c.in_loop]
     assert len(ar_outside) == 1 and ar_outside[0].bytes == 64
     assert ar_outside[0].replica_groups == ((0, 1), (2, 3), (4, 5), (6, 7))
     assert by_kind["all-gather"].in_loop and by_kind["all-gather"].bytes == 128 * 4
     assert by_kind["all-gather"].trip_multiplier == 4
     assert by_kind["collective-permute"].source_target_pairs == ((0, 1), (1, 0))
     assert by_kind["collective-permute"].bytes == 2 * 8 * 2
-    counts = hlo.count_collectives(_HANDWRITTEN)
+    counts = coll.count_collectives(_HANDWRITTEN)
     assert counts["outside_loops"]["all-reduce"] == 1
     assert counts["inside_loops"]["all-reduce"] == 1  # in a fusion called from the body
     assert counts["inside_loops"]["all-gather"] == 1
@@ -166,10 +167,10 @@ def test_psum_groups_map_to_mesh_axes(axes, reverse, partitioner):
     out_spec = P(tuple(a for a in ("data", "fsdp") if a not in axes) or None)
     g = jax.shard_map(f, mesh=mesh, in_specs=P(("data", "fsdp")), out_specs=out_spec)
     x = jax.device_put(jnp.arange(8.0 * 3).reshape(8, 3), NamedSharding(mesh, P(("data", "fsdp"))))
-    cs = hlo.collectives(_compiled(g, x))
+    cs = coll.collectives(_compiled(g, x))
     assert [c.kind for c in cs] == ["all-reduce"]
     assert not cs[0].in_loop
-    assert hlo.group_axes(cs[0].replica_groups, mesh.shape) == axes
+    assert coll.group_axes(cs[0].replica_groups, mesh.shape) == axes
     assert cs[0].bytes == 3 * 4
 
 
@@ -181,8 +182,8 @@ def test_three_axis_mesh_groups(partitioner):
 
     g = jax.shard_map(f, mesh=mesh, in_specs=P(("data", "seq", "model")), out_specs=P("seq"))
     x = jnp.arange(8.0)
-    (c,) = hlo.collectives(_compiled(g, x))
-    assert hlo.group_axes(c.replica_groups, mesh.shape) == ("data", "model")
+    (c,) = coll.collectives(_compiled(g, x))
+    assert coll.group_axes(c.replica_groups, mesh.shape) == ("data", "model")
     np.testing.assert_allclose(jax.jit(g)(x), [0 + 1 + 4 + 5, 2 + 3 + 6 + 7])
 
 
@@ -198,7 +199,7 @@ def test_collective_kinds_and_bytes():
 
     g = jax.shard_map(f, mesh=mesh, in_specs=P("data"), out_specs=P("data"))
     x = jnp.ones((8, 8), jnp.float32)  # local [1, 8]
-    counts = hlo.count_collectives(_compiled(g, x))
+    counts = coll.count_collectives(_compiled(g, x))
     total = counts["total"]
     assert total["all-gather"] == 1 and total["all-to-all"] == 1
     assert total["collective-permute"] == 1
@@ -221,18 +222,17 @@ def test_loop_membership_not_names():
     x = jnp.ones((4, 8, 3))
     text = _compiled(g, x)
     m = hlo.parse_hlo(text)
-    counts = hlo.count_collectives(m)
+    counts = coll.count_collectives(m)
     assert counts["inside_loops"]["all-reduce"] == 1
     assert counts["outside_loops"]["all-reduce"] == 1
     (loop,) = m.while_loops()
     assert loop.trip_count == 4
-    inside = next(c for c in m.collectives() if c.in_loop)
+    inside = next(c for c in coll.collectives(m) if c.in_loop)
     assert inside.trip_multiplier == 4
     assert inside.computation in m.loop_computations
     # Every computation reached from the loop body is a loop computation, and only those.
-    body = hlo._names_in(loop.attrs["body"], bare_ok=True)[0]
-    cond = hlo._names_in(loop.attrs["condition"], bare_ok=True)[0]
-    assert m.loop_computations == m.reachable_from(body, cond)
+    body, cond = m.loop_parts(loop)
+    assert m.loop_computations == m.reachable_from(body.name, cond.name)
     assert m.entry not in m.loop_computations
 
 

@@ -16,9 +16,9 @@ import pytest
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
-from trn_accum.config import SHARDING_RULE_SETS, ModelConfig, load_config
 from trn_accum.model import fuji
 from trn_accum.model.attention import attention
+from trn_accum.train.config import SHARDING_RULE_SETS, ModelConfig, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 REF = ROOT / "configs" / "fuji-3b-trn2.toml"
@@ -206,9 +206,21 @@ def test_remat_policies_save_what_they_say(params, capsys):
         c = dataclasses.replace(cfg, remat=remat)
         jax.ad_checkpoint.print_saved_residuals(lambda p, c=c: fuji.loss_fn(p, batch, c)[0], params)
         saved[remat] = capsys.readouterr().out
-    names = [f"named '{n}'" for n in fuji.REMAT_SAVED_NAMES]
-    assert all(n in saved["save_qkvo"] for n in names), saved["save_qkvo"]
-    assert not any(n in saved["full"] for n in names), saved["full"]
+
+    # jax 0.10.1+ prints a checkpoint_name'd residual as "named 'q_proj'"; jax 0.10.0 as the
+    # reduce_precision op that checkpoint_name lowers to (at the line of the _block call).
+    def named(text):
+        return sorted(
+            line.split()[0]
+            for line in text.splitlines()
+            if "named '" in line or ("reduce_precision" in line and "(_block)" in line)
+        )
+
+    q, kv, o = "f32[2,16,4,8]", "f32[2,16,2,8]", "f32[2,16,32]"
+    assert named(saved["save_qkvo"]) == sorted([q, kv, kv, q, o]), saved["save_qkvo"]
+    if "named '" in saved["save_qkvo"]:
+        assert all(f"named '{n}'" in saved["save_qkvo"] for n in fuji.REMAT_SAVED_NAMES)
+    assert named(saved["full"]) == [], saved["full"]
     for text in saved.values():
         assert "attention.py" not in text and "[2,2,2,16,16]" not in text
 
@@ -357,7 +369,7 @@ SPECS_64 = r"""
 import json, math
 import jax, numpy as np
 from jax.sharding import Mesh, NamedSharding
-from trn_accum.config import load_config
+from trn_accum.train.config import load_config
 from trn_accum.model import fuji
 
 assert jax.device_count() == 64

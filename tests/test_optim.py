@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 
-from trn_accum.optim import all_finite, guarded_update, lr_multiplier, make_optimizer
+from trn_accum.train.optim import all_finite, guarded_update, lr_multiplier, make_optimizer
 
 ALPHA, LAMBDA = 3e-4, 0.1
 

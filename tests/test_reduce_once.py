@@ -5,7 +5,7 @@ collective bytes per optimizer step down by a factor within 10% of k; then the s
 Fuji model loss, directly and through the trainer's step built from a config.
 
 Bytes are read from the compiled HLO: result bytes of every all-reduce whose replica groups span
-the "data" axis (`hlo.group_axes`), times the trip count of the loops around it. XLA:CPU writes
+the "data" axis (`coll.group_axes`), times the trip count of the loops around it. XLA:CPU writes
 an fsdp reduce-scatter as an all-reduce plus a dynamic-slice, so an fsdp-only all-reduce is not
 counted, and a (data, fsdp) one is.
 """
@@ -19,8 +19,9 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from trn_accum import accumulate_gradients, hlo
-from trn_accum.sharding import build_mesh, constrain, leaf_specs
+from trn_accum import accumulate_gradients
+from trn_accum.analysis import collectives as coll
+from trn_accum.core.sharding import build_mesh, constrain, leaf_specs
 
 BATCH_SPEC = P(("data", "fsdp"))
 MESHES = {"data4_fsdp2": {"data": 4, "fsdp": 2}, "data8": {"data": 8, "fsdp": 1}}
@@ -32,8 +33,8 @@ D, H, C, S, B = 16, 64, 8, 4, 64
 def data_all_reduces(compiled, axes):
     """[(in_loop, bytes per optimizer step)] of the all-reduces over groups spanning "data"."""
     out = []
-    for c in hlo.collectives(compiled.as_text()):
-        if c.kind == "all-reduce" and "data" in (hlo.group_axes(c.replica_groups, axes) or ()):
+    for c in coll.collectives(compiled.as_text()):
+        if c.kind == "all-reduce" and "data" in (coll.group_axes(c.replica_groups, axes) or ()):
             assert c.trip_multiplier is not None, c.instruction.line
             out.append((c.in_loop, c.bytes * c.trip_multiplier))
     return out
@@ -140,7 +141,7 @@ def test_mlp_one_data_reduction_and_bytes_fall_by_k(mesh_name, k):
 
 
 def fuji_config(mesh_name, k, reduce, extra=()):
-    from trn_accum.config import load_config
+    from trn_accum.train.config import load_config
 
     axes = MESHES[mesh_name]
     return load_config(
@@ -160,14 +161,14 @@ def fuji_config(mesh_name, k, reduce, extra=()):
 @pytest.mark.slow
 def test_fuji_loss_once_equals_per_minibatch_and_full_batch():
     """The Fuji loss with the trainer's accumulation settings, (data=4, fsdp=2), k=4."""
-    from trn_accum import train
     from trn_accum.model import fuji
+    from trn_accum.train import step
 
     k = 4
     cfg = fuji_config("data4_fsdp2", k, "once")
-    mesh = train.make_mesh(cfg)
-    specs = train.param_specs(cfg, mesh)
-    shardings = train.named(mesh, specs)
+    mesh = step.make_mesh(cfg)
+    specs = step.param_specs(cfg, mesh)
+    shardings = step.named(mesh, specs)
     params = jax.jit(fuji.init_params, static_argnums=0, out_shardings=shardings)(
         cfg.model, jax.random.key(0)
     )
@@ -179,7 +180,7 @@ def test_fuji_loss_once_equals_per_minibatch_and_full_batch():
         "target_labels": rng.integers(0, cfg.model.vocab_size, shape).astype(np.int32),
         "target_mask": mask,
     }
-    batch = jax.device_put(batch, train.batch_sharding(mesh))
+    batch = jax.device_put(batch, step.batch_sharding(mesh))
 
     def loss(p, b):
         return fuji.loss_fn(p, b, cfg.model)
@@ -192,11 +193,11 @@ def test_fuji_loss_once_equals_per_minibatch_and_full_batch():
                 loss,
                 steps=k,
                 mesh=mesh,
-                batch_spec=train.BATCH_SPEC,
+                batch_spec=step.BATCH_SPEC,
                 param_specs=specs,
                 weight_fn=lambda mb: mb["target_mask"].sum(),
                 has_aux=True,
-                aux_reduction=train.AUX_REDUCTION,
+                aux_reduction=step.AUX_REDUCTION,
                 reduce=reduce,
             )
         )
@@ -221,15 +222,15 @@ def test_fuji_loss_once_equals_per_minibatch_and_full_batch():
 def test_trainer_step_passes_reduce_from_config():
     """trainer.reduce = "once" reaches the trainer's jitted step: (data=8), k=4, one real step
     from the same state and batch gives the same loss and gradient norm as "per_minibatch"."""
-    from trn_accum import train
+    from trn_accum.train import loop
 
     k = 4
     results = {}
     for reduce in ("once", "per_minibatch"):
-        trainer = train.Trainer.build(fuji_config("data8", k, reduce))
+        trainer = loop.Trainer.build(fuji_config("data8", k, reduce))
         state, batch = trainer.init(), trainer.batch(0)
+        compiled = trainer.program.compiled
         with jax.set_mesh(trainer.mesh):
-            compiled = trainer.step_fn.lower(state, batch).compile()
             _, metrics = compiled(state, batch)
         results[reduce] = (compiled, jax.device_get(metrics))
     (once, m_once), (per, m_per) = results["once"], results["per_minibatch"]

@@ -7,8 +7,8 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from trn_accum import hlo
-from trn_accum.sharding import (
+from trn_accum.analysis import collectives as coll
+from trn_accum.core.sharding import (
     build_mesh,
     leaf_specs,
     merge_minibatches,
@@ -136,7 +136,7 @@ def test_compiled_split_has_no_collectives(mesh_name, partitioner):
     )
     k = 4
     f = jax.jit(lambda b: split_minibatches(b, k, mesh=mesh, batch_spec=spec))
-    counts = hlo.count_collectives(f.lower(batch).compile().as_text())
+    counts = coll.count_collectives(f.lower(batch).compile().as_text())
     assert sum(counts["total"].values()) == 0, counts
     out = f(batch)
     tokens_spec = leaf_specs(batch, spec)[1]  # cut to rank 2
@@ -154,7 +154,7 @@ def test_compiled_split_has_no_collectives(mesh_name, partitioner):
         }
         assert set(local_rows.tolist()) <= held
     g = jax.jit(lambda s: merge_minibatches(s, mesh=mesh, batch_spec=spec))
-    counts = hlo.count_collectives(g.lower(out).compile().as_text())
+    counts = coll.count_collectives(g.lower(out).compile().as_text())
     assert sum(counts["total"].values()) == 0, counts
     jax.tree.map(np.testing.assert_array_equal, g(out), batch)
 
@@ -169,7 +169,7 @@ def test_contiguous_split_moves_data(partitioner):
     mesh = build_mesh({"data": 2, "fsdp": 4})
     x = jax.device_put(jnp.ones((64, 16)), NamedSharding(mesh, P(BATCH)))
     f = jax.jit(lambda x: _contiguous_split(x, 4, mesh, P(BATCH)))
-    counts = hlo.count_collectives(f.lower(x).compile().as_text())["total"]
+    counts = coll.count_collectives(f.lower(x).compile().as_text())["total"]
     assert counts["all-to-all"] >= 1 and counts["collective-permute"] >= 1, counts
 
 

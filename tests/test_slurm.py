@@ -1,7 +1,7 @@
 """The project's sbatch script on a real one-node Slurm (tests/slurm_cluster.py), CPU mode.
 
 Mechanics (a probe program stands in for the trainer through TRN_ACCUM_TRAIN):
-- 2 tasks x 4 CPU devices: `trn_accum.distributed.initialize()` inside srun starts
+- 2 tasks x 4 CPU devices: `trn_accum.cluster.distributed.initialize()` inside srun starts
   jax.distributed with JAX's own Slurm detection; a global sum over the 8 devices is exact.
 - `scontrol requeue` + `StartTime=now`: every task gets SIGTERM, the job starts again.
 - `scancel --signal=TERM` (what --signal=TERM@120 does at the time-limit warning: the steps
@@ -57,7 +57,7 @@ PROBE = textwrap.dedent(
     record("starts", f"{rank} {start}")
     result = {"rank": int(rank), "start": int(start), "config": a.config}
     if a.mode == "psum":
-        from trn_accum.distributed import initialize
+        from trn_accum.cluster.distributed import initialize
         info = initialize()
         import jax, jax.numpy as jnp, numpy as np
         from jax.sharding import NamedSharding, PartitionSpec as P
@@ -317,7 +317,9 @@ TRN2_SH = REPO / "launch" / "env" / "trn2.sh"
 
 def sourced_env(tmp: Path, preset: dict[str, str] | None = None) -> dict[str, str]:
     """The environment after `source launch/env/trn2.sh` under `set -euo pipefail`."""
-    keep = {"PATH": os.environ.get("PATH", ""), "HOME": str(tmp)}
+    # trn-accum (the venv's bin) on PATH: trn2.sh evaluates `trn-accum neuron-env`.
+    path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
+    keep = {"PATH": path, "HOME": str(tmp), "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
     out = subprocess.run(
         ["bash", "-c", f"set -euo pipefail; source {TRN2_SH}; env -0"],
         env={**keep, **(preset or {})},
@@ -330,10 +332,10 @@ def sourced_env(tmp: Path, preset: dict[str, str] | None = None) -> dict[str, st
 
 
 def test_trn2_env_defaults_match_trn_accum_neuron(tmp_path):
-    from trn_accum import neuron
+    from trn_accum.neuron import platform
 
     env = sourced_env(tmp_path)
-    want = neuron.neuron_env(compile_cache=None)  # NEURON_CC_FLAGS, LNC, EFA, ...
+    want = platform.neuron_env(compile_cache=None)  # NEURON_CC_FLAGS, LNC, EFA, ...
     assert {k: env.get(k) for k in want} == want
     assert env["JAX_PLATFORMS"] == "neuron,cpu"
     assert env["NEURON_COMPILE_CACHE_URL"] == f"{tmp_path}/runs/cache/neuron"

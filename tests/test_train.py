@@ -10,9 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from trn_accum import hlo, train
-from trn_accum.config import load_config
-from trn_accum.metrics import read_metrics
+from trn_accum.analysis import hlo
+from trn_accum.train import loop, step
+from trn_accum.train.config import load_config
+from trn_accum.train.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "fuji-tiny.toml")
@@ -33,8 +34,8 @@ def test_accum_1_vs_4_same_loss_curve_nonfinite_skip_compiled_step():
     """Same global batch, k = 1 vs 4, float32: the same trajectory over 10 steps. Then, with
     the k = 4 step already compiled: a non-finite step is skipped and counted, and the compiled
     step has no conditional, donates the state and shards the optimizer like the params."""
-    tiny_k4 = train.Trainer.build(load_config(TINY, F32 + ["trainer.accum_steps=4"]))
-    k1 = train.Trainer.build(load_config(TINY, F32 + ["trainer.accum_steps=1"]))
+    tiny_k4 = loop.Trainer.build(load_config(TINY, F32 + ["trainer.accum_steps=4"]))
+    k1 = loop.Trainer.build(load_config(TINY, F32 + ["trainer.accum_steps=1"]))
     state1, m1 = _losses(k1, 10)
     state4, m4 = _losses(tiny_k4, 10)
     for a, b in zip(m1, m4, strict=True):
@@ -68,10 +69,10 @@ def _check_nonfinite_step_is_skipped_and_counted(tiny_k4):
 
 
 def _check_compiled_step_no_conditional_donated_and_sharded(tiny_k4):
-    text = tiny_k4.compiled_step.as_text()
+    text = tiny_k4.program.compiled.as_text()
     assert not hlo.parse_hlo(text).find("conditional")
     # Every state leaf is donated (aliased to an output).
-    n_state = len(jax.tree.leaves(tiny_k4.abstract))
+    n_state = len(jax.tree.leaves(tiny_k4.program.abstract))
     assert text.count("may-alias") + text.count("must-alias") >= n_state
     # Optimizer moments take the parameters' sharding; counts are replicated.
     sh = tiny_k4.state_shardings
@@ -83,7 +84,7 @@ def _check_compiled_step_no_conditional_donated_and_sharded(tiny_k4):
 
 def test_flops_per_step_formula():
     cfg = load_config(str(ROOT / "configs" / "fuji-3b-trn2.toml"))
-    f = train.flops_per_step(cfg)
+    f = step.flops_per_step(cfg)
     tokens = 2048 * 8192
     assert f["params"] == 3_221_400_576
     assert f["dense"] == 6 * 3_221_400_576 * tokens
@@ -100,15 +101,15 @@ def test_flops_per_step_formula():
 )
 def test_mesh_and_batch_errors(overrides, match):
     cfg = load_config(TINY, overrides)
-    with pytest.raises(train.TrainError, match=match):
-        mesh = train.make_mesh(cfg)
-        train.check_batch(cfg, mesh)
+    with pytest.raises(step.TrainError, match=match):
+        mesh = step.make_mesh(cfg)
+        step.check_batch(cfg, mesh)
 
 
 def test_metrics_logger_console_modes_and_truncation(tmp_path):
     import io
 
-    from trn_accum.metrics import MetricsLogger, format_line, truncate_metrics
+    from trn_accum.train.metrics import MetricsLogger, format_line, truncate_metrics
 
     plain = io.StringIO()
     with MetricsLogger(tmp_path, total_steps=25, log_every=10, console=plain) as log:

@@ -1,14 +1,27 @@
 """trn_accum: gradient accumulation for JAX made for the Neuron compiler (AWS Trainium2).
 
-The public API is the accumulation core; the Fuji model, trainer and launchers live in
-submodules (`trn_accum.model.fuji`, `trn_accum.train`, `trn_accum.cli`).
+The public API is the accumulation core (`trn_accum.core`):
+
+    from trn_accum import accumulate_gradients, build_mesh
+
+The Fuji model (`trn_accum.model`), the trainer (`trn_accum.train`), the Neuron support
+(`trn_accum.neuron`), the compiled-program analysis (`trn_accum.analysis`), the launchers
+(`trn_accum.cluster`) and the `trn-accum` command (`trn_accum.cli`) build on it.
 """
 
-from trn_accum.accumulation import accumulate_gradients
-from trn_accum.sharding import merge_minibatches, minibatch_specs, split_minibatches
+from trn_accum.core import (
+    accumulate_gradients,
+    build_mesh,
+    constrain,
+    merge_minibatches,
+    minibatch_specs,
+    split_minibatches,
+)
 
 __all__ = [
     "accumulate_gradients",
+    "build_mesh",
+    "constrain",
     "merge_minibatches",
     "minibatch_specs",
     "split_minibatches",

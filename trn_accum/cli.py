@@ -1,16 +1,17 @@
-"""`trn-accum`: train | dry-run | prepare-data | plot | render-eks.
+"""`trn-accum`: train | dry-run | neuron-env | prepare-data | plot | render-eks.
 
     trn-accum train --config FILE [--set section.key=value ...] [--run-dir DIR]
                     [--profile START:STOP]
     trn-accum dry-run --config FILE [--set ...] [--devices 64] [--nodes N] [--json]
+    trn-accum neuron-env                 the trn2 environment as shell `export` lines
     trn-accum prepare-data TEXT_FILES... --out DIR [--tokenizer bytes|tokenizer.json]
     trn-accum plot RUN_DIR [-o FILE.png]
-    trn-accum render-eks ...          (see `trn-accum render-eks --help`)
+    trn-accum render-eks --nodes N --image IMAGE [...]
 
-Exit codes: 0 success; 2 a user error (bad config, data, checkpoint, launch environment or
-arguments: one line on stderr, no traceback); 75 (EX_TEMPFAIL) the run was preempted
-(SIGTERM/SIGINT) after saving a checkpoint: restart the same command to resume; 1 a bug
-(traceback).
+Exit codes (`trn_accum.errors`): 0 success; 1 a check failed (dry-run blockers) or a bug (with
+its traceback); 2 a user error (bad config, data, checkpoint, launch environment or arguments:
+one line on stderr, no traceback); 75 (EX_TEMPFAIL) preempted (SIGTERM/SIGINT) after saving a
+checkpoint: run the same command again to resume.
 
 `dry-run` needs N emulated CPU devices, which XLA fixes when its backend starts: this module
 imports no JAX at the top, `main` sets `XLA_FLAGS` / the platform before any backend starts,
@@ -23,13 +24,13 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
 import subprocess
 import sys
 
-EXIT_USAGE = 2
-EXIT_PREEMPTED = 75  # trn_accum.checkpoint.EXIT_PREEMPTED (EX_TEMPFAIL); kept equal by a test
-PROG = "trn-accum"
+from trn_accum.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, UserError, one_line
 
+PROG = "trn-accum"
 
 # XLA:CPU's concurrency-optimized scheduler may order collectives differently on different
 # emulated devices, and the step then deadlocks in a rendezvous (seen on jax 0.10.2: the tiny
@@ -51,39 +52,13 @@ def cpu_fallback_flags(environ=os.environ) -> None:
     environ["XLA_FLAGS"] = flags
 
 
-class UsageError(ValueError):
+class UsageError(UserError):
     """A bad command-line value: one line naming the value, the rule and a fix."""
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, no usage block
         raise UsageError(f"{message} (see `{self.prog} --help`)")
-
-
-def _user_error_types() -> tuple[type[BaseException], ...]:
-    """Exception types that mean "the user gave something wrong" (exit 2, one line)."""
-    types: list[type[BaseException]] = [UsageError]
-    for module, name in (
-        ("trn_accum.config", "ConfigError"),
-        ("trn_accum.data", "DataError"),
-        ("trn_accum.checkpoint", "CheckpointError"),
-        ("trn_accum.distributed", "LaunchError"),
-        ("trn_accum.eks", "LaunchError"),
-        ("trn_accum.eks", "RenderError"),
-        ("trn_accum.train", "TrainError"),
-        ("trn_accum.dryrun", "DryRunError"),
-        ("trn_accum.metrics", "PlotError"),
-        ("trn_accum.neuron", "NeuronError"),
-    ):
-        mod = sys.modules.get(module)
-        t = getattr(mod, name, None) if mod is not None else None
-        if isinstance(t, type) and issubclass(t, BaseException):
-            types.append(t)
-    return tuple(types)
-
-
-def _one_line(msg: str) -> str:
-    return " ".join(str(msg).split())
 
 
 def _profile_range(text: str) -> tuple[int, int]:
@@ -96,65 +71,17 @@ def _profile_range(text: str) -> tuple[int, int]:
     return int(m.group(1)), int(m.group(2))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, description="Gradient accumulation and Fuji training for trn2 / CPU.")
-    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    sub.required = True
-
-    def config_args(sp):
-        sp.add_argument("--config", required=True, metavar="FILE", help="TOML config file")
-        sp.add_argument(
-            "--set",
-            action="append",
-            default=[],
-            metavar="SECTION.KEY=VALUE",
-            dest="overrides",
-            help="override a config value (repeatable), e.g. --set trainer.steps=20",
-        )
-
-    t = sub.add_parser("train", help="train (or resume) a run")
-    config_args(t)
-    t.add_argument("--run-dir", metavar="DIR", help="checkpoints + metrics (default runs/CONFIG)")
-    t.add_argument(
-        "--profile",
-        metavar="START:STOP",
-        help="jax.profiler trace of steps START..STOP-1 into RUN_DIR/profile",
-    )
-
-    d = sub.add_parser("dry-run", help="compile the real train step on emulated CPU devices")
-    config_args(d)
-    d.add_argument(
-        "--devices", type=int, default=64, help="emulated devices (default 64: one trn2.48xlarge)"
-    )
-    d.add_argument(
-        "--nodes", type=int, default=None, help="node count whose per-device batch to emulate"
-    )
-    d.add_argument("--json", action="store_true", help="print the report as JSON")
-
-    pd = sub.add_parser("prepare-data", help="tokenize text files into a token directory")
-    pd.add_argument("text_files", nargs="+", metavar="TEXT_FILE")
-    pd.add_argument("--out", required=True, metavar="DIR")
-    pd.add_argument("--tokenizer", default="bytes", help="'bytes' or a tokenizer.json path")
-
-    pl = sub.add_parser("plot", help="plot loss, learning rate and gradient norm of a run")
-    pl.add_argument("run_dir", metavar="RUN_DIR")
-    pl.add_argument("-o", "--out", metavar="FILE.png", default=None)
-
-    sub.add_parser("render-eks", help="render Kubernetes manifests (trn_accum.eks)", add_help=False)
-    return p
-
-
-# -- commands --------------------------------------------------------------------------------
+# -- commands (JAX and the heavy modules are imported inside them, not at the top) -------------
 
 
 def _cmd_train(args) -> int:
     profile = _profile_range(args.profile) if args.profile else None
-    from trn_accum import train  # noqa: PLC0415 (JAX is imported here, not at the top)
+    from trn_accum.train import loop
 
     run_dir = args.run_dir or os.path.join(
         "runs", os.path.splitext(os.path.basename(args.config))[0]
     )
-    return train.run(args.config, overrides=args.overrides, run_dir=run_dir, profile=profile)
+    return loop.run(args.config, overrides=args.overrides, run_dir=run_dir, profile=profile)
 
 
 def _dry_run_env_ready(devices: int) -> bool:
@@ -162,7 +89,7 @@ def _dry_run_env_ready(devices: int) -> bool:
     whether the running backend already has exactly that (CPU) device count."""
     jax = sys.modules.get("jax")
     if jax is not None:
-        from jax._src import xla_bridge  # noqa: PLC0415
+        from jax._src import xla_bridge
 
         if xla_bridge.backends_are_initialized():
             return jax.default_backend() == "cpu" and jax.device_count() == devices
@@ -177,7 +104,7 @@ def _dry_run_env_ready(devices: int) -> bool:
     return True
 
 
-def _cmd_dry_run(args, argv) -> int:
+def _cmd_dry_run(args) -> int:
     if args.devices < 1:
         raise UsageError(f"--devices {args.devices}: must be >= 1 (64 = one trn2.48xlarge)")
     if args.nodes is not None and args.nodes < 1:
@@ -185,55 +112,159 @@ def _cmd_dry_run(args, argv) -> int:
     if not _dry_run_env_ready(args.devices):
         # A backend with another device count runs in this process: start a fresh one (it sets
         # the device count in XLA_FLAGS before its backend starts).
-        return subprocess.call([sys.executable, "-m", "trn_accum.cli", *argv])
-    from trn_accum import dryrun  # noqa: PLC0415
+        return subprocess.call([sys.executable, "-m", "trn_accum.cli", *args.argv])
+    from trn_accum.train import dryrun
 
     report = dryrun.run(
         args.config, overrides=args.overrides, devices=args.devices, nodes=args.nodes
     )
     print(dryrun.format_report(report, as_json=args.json))
-    return 1 if report.get("blockers") else 0
+    return EXIT_FAILED if report.get("blockers") else EXIT_OK
+
+
+def _cmd_neuron_env(args) -> int:
+    from trn_accum.neuron import platform
+
+    for key, value in platform.trn2_env().items():
+        print(f"export {key}={shlex.quote(value)}")
+    return EXIT_OK
 
 
 def _cmd_prepare_data(args) -> int:
-    from trn_accum.data import prepare_data  # noqa: PLC0415
+    from trn_accum.train.prepare import prepare_data
 
     meta = prepare_data(args.text_files, args.out, tokenizer=args.tokenizer)
     print(
         f"wrote {meta['num_tokens']:,} tokens ({meta['num_documents']} documents, "
         f"{meta['dtype']}, vocab {meta['vocab_size']}) to {args.out}"
     )
-    return 0
+    return EXIT_OK
 
 
 def _cmd_plot(args) -> int:
-    from trn_accum.metrics import plot_run  # noqa: PLC0415
+    from trn_accum.train.metrics import plot_run
 
     print(plot_run(args.run_dir, args.out))
-    return 0
+    return EXIT_OK
 
 
-def _cmd_render_eks(rest) -> int:
+def _cmd_render_eks(args) -> int:
+    from trn_accum.cluster import eks
+
+    train_args = [a for kv in args.set for a in ("--set", kv)] + list(args.train_arg)
+    text = eks.render_eks(
+        args.nodes,
+        args.image,
+        args.config,
+        name=args.name,
+        namespace=args.namespace,
+        pvc=args.pvc,
+        run_dir=args.run_dir,
+        train_args=train_args,
+        max_restarts=args.max_restarts,
+        scheduler_name=args.scheduler_name,
+    )
+    if args.output == "-":
+        sys.stdout.write(text)
+        return EXIT_OK
     try:
-        from trn_accum import eks  # noqa: PLC0415
-    except ImportError as e:
-        raise UsageError(f"render-eks is not available in this install ({e})") from None
-    return int(eks.main(list(rest)) or 0)
+        os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+        with open(args.output, "w", encoding="utf-8") as f:
+            f.write(text)
+    except OSError as e:
+        raise eks.RenderError(f"-o {args.output!r}: cannot write ({e.strerror})") from None
+    return EXIT_OK
 
 
-def _dispatch(argv: list[str]) -> int:
-    if argv and argv[0] == "render-eks":
-        return _cmd_render_eks(argv[1:])
-    args = build_parser().parse_args(argv)
-    if args.command == "train":
-        return _cmd_train(args)
-    if args.command == "dry-run":
-        return _cmd_dry_run(args, argv)
-    if args.command == "prepare-data":
-        return _cmd_prepare_data(args)
-    if args.command == "plot":
-        return _cmd_plot(args)
-    raise UsageError(f"unknown command {args.command!r}")  # pragma: no cover
+# -- the parser --------------------------------------------------------------------------------
+
+
+def _config_args(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--config", required=True, metavar="FILE", help="TOML config file")
+    sp.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        dest="overrides",
+        help="override a config value (repeatable), e.g. --set trainer.steps=20",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, description="Gradient accumulation and Fuji training for trn2 / CPU.")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+
+    t = sub.add_parser("train", help="train (or resume) a run")
+    _config_args(t)
+    t.add_argument("--run-dir", metavar="DIR", help="checkpoints + metrics (default runs/CONFIG)")
+    t.add_argument(
+        "--profile",
+        metavar="START:STOP",
+        help="jax.profiler trace of steps START..STOP-1 into RUN_DIR/profile",
+    )
+    t.set_defaults(func=_cmd_train)
+
+    d = sub.add_parser("dry-run", help="compile the real train step on emulated CPU devices")
+    _config_args(d)
+    d.add_argument(
+        "--devices", type=int, default=64, help="emulated devices (default 64: one trn2.48xlarge)"
+    )
+    d.add_argument(
+        "--nodes", type=int, default=None, help="node count whose per-device batch to emulate"
+    )
+    d.add_argument("--json", action="store_true", help="print the report as JSON")
+    d.set_defaults(func=_cmd_dry_run)
+
+    ne = sub.add_parser(
+        "neuron-env",
+        help="print the trn2 environment as shell exports (launch/env/trn2.sh evaluates it)",
+    )
+    ne.set_defaults(func=_cmd_neuron_env)
+
+    pd = sub.add_parser("prepare-data", help="tokenize text files into a token directory")
+    pd.add_argument("text_files", nargs="+", metavar="TEXT_FILE")
+    pd.add_argument("--out", required=True, metavar="DIR")
+    pd.add_argument("--tokenizer", default="bytes", help="'bytes' or a tokenizer.json path")
+    pd.set_defaults(func=_cmd_prepare_data)
+
+    pl = sub.add_parser("plot", help="plot loss, learning rate and gradient norm of a run")
+    pl.add_argument("run_dir", metavar="RUN_DIR")
+    pl.add_argument("-o", "--out", metavar="FILE.png", default=None)
+    pl.set_defaults(func=_cmd_plot)
+
+    r = sub.add_parser(
+        "render-eks", help="write the EKS manifests (headless Service + Indexed Job) for N nodes"
+    )
+    r.add_argument("--nodes", type=int, required=True, help="trn2.48xlarge nodes (= pods)")
+    r.add_argument("--image", required=True, help="the Dockerfile's neuron stage, pushed")
+    r.add_argument(
+        "--config", default="configs/fuji-3b-trn2.toml", help="config path inside the image"
+    )
+    r.add_argument("--name", default="fuji-3b", help="Job/Service name (DNS label)")
+    r.add_argument("--namespace", default="default")
+    r.add_argument("--pvc", default="trn-accum-fsx", help="shared-FS PersistentVolumeClaim")
+    r.add_argument("--run-dir", default=None, help="default /checkpoints/<name>")
+    r.add_argument("--max-restarts", type=int, default=3, help="whole-job restarts on crashes")
+    r.add_argument("--scheduler-name", default=None, help="pod schedulerName (optional)")
+    r.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override passed to `trn-accum train --set` (repeatable)",
+    )
+    r.add_argument(
+        "--train-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="any extra `trn-accum train` argument, verbatim (repeatable; use --train-arg=-x)",
+    )
+    r.add_argument("-o", "--output", default="-", help="output file (default: stdout)")
+    r.set_defaults(func=_cmd_render_eks)
+    return p
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -241,15 +272,15 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     cpu_fallback_flags()
     try:
-        return _dispatch(argv)
+        args = build_parser().parse_args(argv)
+        args.argv = argv
+        return int(args.func(args))
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
-        return 130
-    except Exception as e:
-        if isinstance(e, _user_error_types()):
-            print(f"{PROG}: error: {_one_line(e)}", file=sys.stderr)
-            return EXIT_USAGE
-        raise
+        return EXIT_INTERRUPTED
+    except UserError as e:
+        print(f"{PROG}: error: {one_line(e)}", file=sys.stderr)
+        return e.exit_code
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
@@ -41,9 +42,49 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from trn_accum.config import ModelConfig
+from trn_accum.core.sharding import constrain
+from trn_accum.model.attention import IMPLS as ATTENTION_IMPLS
 from trn_accum.model.attention import attention
 from trn_accum.model.xent import cross_entropy, lm_logits
+
+COMPUTE_DTYPES = ("bfloat16", "float32")
+LAYER_LOOPS = ("scan", "unroll")
+REMAT_POLICIES = ("none", "full", "save_qkvo")
+
+
+def _choices(*allowed: str) -> dict:
+    """Field metadata read by `trn_accum.train.config`: the allowed values of a string key."""
+    return {"choices": allowed}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The `[model]` section: shapes and implementation choices of one Fuji model.
+
+    Defaults: Fuji 3B v3 (AXLearn `fuji.py`, `get_trainer_kwargs` for model size "3B",
+    version 3: 28 layers, hidden 3072, 24 heads of 128, 8 KV heads, FFN 8192, vocabulary
+    131072, RoPE theta 500000, RMSNorm eps 1e-5, tied embedding).
+    """
+
+    vocab_size: int = 131072
+    num_layers: int = 28
+    hidden_dim: int = 3072
+    num_heads: int = 24
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    ffn_dim: int = 8192
+    rope_theta: float = 500000.0
+    norm_eps: float = 1e-5
+    max_seq_len: int = 8192
+    init_std: float = 0.02  # normal(0, init_std) for every matrix, the embedding included
+    compute_dtype: str = field(default="bfloat16", metadata=_choices(*COMPUTE_DTYPES))
+    layer_loop: str = field(default="scan", metadata=_choices(*LAYER_LOOPS))
+    # none | full | save_qkvo (reference: keep the q/k/v/o projections and attention context)
+    remat: str = field(default="none", metadata=_choices(*REMAT_POLICIES))
+    attention: str = field(default="plain", metadata=_choices(*ATTENTION_IMPLS))
+    attention_block: int = 512  # block size of blockwise / flash attention
+    loss_chunk: int = 0  # tokens per LM-head/cross-entropy chunk; 0 = no chunking
+
 
 # ---------------------------------------------------------------------------------------------
 # Parameters: one table gives shapes, logical axes and initialisation of every parameter.
@@ -52,8 +93,9 @@ LOGICAL_AXES = ("vocab", "embed", "layers", "heads", "kv_heads", "head_dim", "ff
 
 # Logical axis -> mesh axis (a name, a tuple of names, or None = replicated).
 RULES: dict[str, dict[str, str | tuple[str, ...] | None]] = {
-    # The reference on trn2 (FACTS.md §1): every matrix sharded over fsdp on its model (embed)
-    # dimension and over "model" (tensor parallel) on heads / FFN hidden / vocabulary.
+    # The reference on trn2 (AXLearn `experiments/text/gpt/fuji.py`, its trn2 mesh rules):
+    # every matrix sharded over fsdp on its model (embed) dimension and over "model" (tensor
+    # parallel) on heads / FFN hidden / vocabulary.
     "trn2": {
         "vocab": "model",
         "embed": "fsdp",
@@ -91,9 +133,7 @@ REMAT_SAVED_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "context")
 
 # A ModelConfig is a static pytree (no leaves, hashable): `jax.eval_shape(init_params, cfg, key)`
 # and `jax.jit(loss_fn)(params, batch, cfg)` treat it as a compile-time constant.
-if not getattr(ModelConfig, "_registered_static", False):
-    jax.tree_util.register_static(ModelConfig)
-    ModelConfig._registered_static = True
+jax.tree_util.register_static(ModelConfig)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,6 +257,7 @@ def shard_activation(x, dims: tuple[str | None, ...]):
     "heads" / "ffn" / "vocab" -> "model", None -> replicated. Only axes that exist in the current
     mesh, are Auto (not Manual inside a shard_map, not Explicit) and keep the dimension divisible
     are used, so the same model runs on any mesh and inside `shard_map(..., axis_names={"data"})`.
+    The constraint itself is `trn_accum.core.sharding.constrain` on the ambient mesh.
     """
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
@@ -232,7 +273,7 @@ def shard_activation(x, dims: tuple[str | None, ...]):
                 chosen.append(a)
                 n *= mesh.shape[a]
         entries.append(tuple(chosen) if len(chosen) > 1 else chosen[0] if chosen else None)
-    return jax.lax.with_sharding_constraint(x, P(*entries))
+    return constrain(x, mesh, P(*entries))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -295,7 +336,7 @@ def _remat(fn, policy: str, *, in_scan: bool):
     if policy == "save_qkvo":
         saved = jax.checkpoint_policies.save_only_these_names(*REMAT_SAVED_NAMES)
         return jax.checkpoint(fn, policy=saved, prevent_cse=not in_scan)
-    raise ValueError(f"model.remat = {policy!r}: not one of ('none', 'full', 'save_qkvo')")
+    raise ValueError(f"model.remat = {policy!r}: not one of {REMAT_POLICIES}")
 
 
 def _unstack(tree, n: int) -> list:
@@ -326,7 +367,7 @@ def hidden_states(params, tokens, cfg: ModelConfig):
         for layer in _unstack(params["layers"], cfg.num_layers):
             x = block(x, layer)
     else:
-        raise ValueError(f"model.layer_loop = {cfg.layer_loop!r}: not one of ('scan', 'unroll')")
+        raise ValueError(f"model.layer_loop = {cfg.layer_loop!r}: not one of {LAYER_LOOPS}")
     return rms_norm(x, params["final_norm"], cfg.norm_eps)
 
 

@@ -1,11 +1,8 @@
-"""Neuron (AWS Trainium) support that needs no Neuron package: detection, environment, PRNG,
-peak FLOP/s, and an HLO preflight that flags what the Neuron compiler rejects.
+"""Neuron preflight: read a compiled HLO module and flag what the Neuron compiler rejects.
 
-Importing this module imports no Neuron package and initialises no JAX backend.
-
-Preflight. ``preflight(hlo_text)`` reads an HLO module (``compiled.as_text()`` of a program
-compiled on CPU, or the unoptimised ``lowered.as_text(dialect="hlo")``) with ``trn_accum.hlo`` and
-reports, against the Neuron JAX known limitations (FACTS.md §3):
+``preflight(hlo_text)`` reads an HLO module (``compiled.as_text()`` of a program compiled on
+CPU, or the unoptimised ``lowered.as_text(dialect="hlo")``) with `trn_accum.analysis.hlo` and
+reports, against the limitations listed on the Neuron docs page "JAX NeuronX Known Issues":
 
 blockers
   ``conditional``      any ``conditional`` (``lax.cond``/``switch``, ``optax.apply_if_finite``,
@@ -40,24 +37,10 @@ threefry function was inlined), by computations named ``threefry*`` and by three
 from __future__ import annotations
 
 import dataclasses
-import glob
-import importlib.metadata
-import importlib.util
-import os
 import re
-import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
-from trn_accum import hlo as hlo_lib
-
-# ---------------------------------------------------------------------- constants
-
-#: Documented neuronx-cc flags for transformer training on trn2 (FACTS.md §3).
-NEURON_CC_FLAGS = "--target=trn2 --model-type=transformer --distribution-strategy=llm-training -O1"
-#: Dense BF16 FLOP/s of one trn2 chip (8 physical NeuronCore-v3), FACTS.md §2.
-TRN2_CHIP_PEAK_FLOPS = 667e12
-TRN2_CORES_PER_CHIP = 8
-DEFAULT_COMPILE_CACHE = "/var/tmp/neuron-compile-cache"
+from trn_accum.analysis import hlo as hlo_lib
 
 BLOCKER = "blocker"
 WARNING = "warning"
@@ -86,172 +69,6 @@ _INT_TYPES = frozenset(
 )
 _COMPLEX_TYPES = frozenset({"c64", "c128"})
 _PASS_THROUGH = frozenset({"copy", "bitcast", "reshape", "convert", "broadcast"})
-
-
-# ---------------------------------------------------------------------- detection
-
-
-def neuron_plugin_installed() -> bool:
-    """Whether a Neuron PJRT plugin for JAX is installed (nothing is imported or initialised).
-
-    Looks for a ``jax_plugins`` entry point or ``jax_plugins.*`` module naming neuron, or the
-    ``libneuronxla`` distribution at a real version (the PyPI placeholder of that name is
-    version 0.x and raises on import, FACTS.md §3).
-    """
-    try:
-        for ep in importlib.metadata.entry_points(group="jax_plugins"):
-            if "neuron" in ep.name.lower() or "neuron" in ep.value.lower():
-                return True
-    except Exception:  # malformed metadata of some unrelated distribution
-        pass
-    spec = importlib.util.find_spec("jax_plugins")
-    if spec is not None and spec.submodule_search_locations:
-        for loc in spec.submodule_search_locations:
-            if glob.glob(os.path.join(loc, "*neuron*")):
-                return True
-    try:
-        version = importlib.metadata.version("libneuronxla")
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return not version.startswith("0.")
-
-
-def _initialised_backends() -> dict | None:
-    """JAX's already-initialised backends, or None if JAX has not initialised any yet."""
-    if "jax" not in sys.modules:
-        return None
-    try:
-        from jax._src import xla_bridge
-
-        backends = getattr(xla_bridge, "_backends", None)
-        return dict(backends) if backends else None
-    except Exception:
-        return None
-
-
-def neuron_available() -> bool:
-    """Whether JAX can (or does) use the ``neuron`` platform in this process.
-
-    If JAX already initialised its backends, answer from them. Otherwise, without initialising
-    anything: the plugin is installed, Neuron devices exist (``/dev/neuron*``) and
-    ``JAX_PLATFORMS`` (if set) allows ``neuron``.
-    """
-    backends = _initialised_backends()
-    if backends is not None:
-        return "neuron" in backends
-    platforms = os.environ.get("JAX_PLATFORMS", "").strip()
-    if platforms and "neuron" not in [p.strip() for p in platforms.split(",")]:
-        return False
-    return neuron_plugin_installed() and bool(glob.glob("/dev/neuron[0-9]*"))
-
-
-def current_platform() -> str:
-    """``jax.default_backend()`` ("cpu", "neuron", ...). This initialises JAX's backends."""
-    import jax
-
-    return jax.default_backend()
-
-
-# ---------------------------------------------------------------------- environment
-
-
-def neuron_env(
-    lnc: int = 2,
-    *,
-    compile_cache: str | None = DEFAULT_COMPILE_CACHE,
-    extra_cc_flags: Sequence[str] = (),
-    efa: bool = True,
-    root_comm_id: str | None = None,
-    visible_cores: str | None = None,
-) -> dict[str, str]:
-    """The environment a trn2 training process should start with (before JAX initialises).
-
-    Args:
-      lnc: logical NeuronCore size, 1 or 2 (2 = default: 64 JAX devices per trn2.48xlarge).
-      compile_cache: NEURON_COMPILE_CACHE_URL (a local path or s3://...); None to leave unset.
-      extra_cc_flags: appended to NEURON_CC_FLAGS; undocumented ``--internal-*`` flags rejected.
-      efa: set ``FI_PROVIDER=efa FI_EFA_USE_DEVICE_RDMA=1`` for multi-node collectives.
-      root_comm_id: NEURON_RT_ROOT_COMM_ID (``host:port`` of rank 0), needed with collectives
-        across processes; ``trn_accum.distributed`` derives it from the launcher.
-      visible_cores: NEURON_RT_VISIBLE_CORES (e.g. "0-63"), to restrict this process's cores.
-
-    ``NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS`` is deprecated from SDK 2.31 and not set.
-    """
-    if int(lnc) not in (1, 2):
-        raise ValueError(f"lnc={lnc} must be 1 or 2 (logical NeuronCore size on trn2)")
-    flags = NEURON_CC_FLAGS.split()
-    for f in extra_cc_flags:
-        if f.startswith("--internal-"):
-            raise ValueError(
-                f"compiler flag {f} is undocumented (--internal-*): use documented neuronx-cc flags"
-            )
-        flags.append(f)
-    env = {
-        "NEURON_CC_FLAGS": " ".join(flags),
-        "NEURON_LOGICAL_NC_CONFIG": str(int(lnc)),
-        "NEURON_RUN_TRIVIAL_COMPUTATION_ON_CPU": "1",
-    }
-    if compile_cache:
-        env["NEURON_COMPILE_CACHE_URL"] = compile_cache
-    if efa:
-        env["FI_PROVIDER"] = "efa"
-        env["FI_EFA_USE_DEVICE_RDMA"] = "1"
-    if root_comm_id:
-        env["NEURON_RT_ROOT_COMM_ID"] = root_comm_id
-    if visible_cores:
-        env["NEURON_RT_VISIBLE_CORES"] = visible_cores
-    return env
-
-
-def apply_env(env: Mapping[str, str], *, overwrite: bool = False) -> dict[str, str]:
-    """Set `env` in ``os.environ``; values the user already set win unless `overwrite`.
-
-    Returns what was set. Call before JAX initialises its backends.
-    """
-    applied = {}
-    for k, v in env.items():
-        if overwrite or k not in os.environ:
-            os.environ[k] = v
-            applied[k] = v
-    return applied
-
-
-def configure_prng(platform: str | None = None) -> str:
-    """Select the PRNG for `platform` (default: "neuron" if ``neuron_available()``) and return
-    JAX's default PRNG implementation name afterwards.
-
-    On Neuron: ``rbg`` (Threefry is not fully supported there, FACTS.md §3). Elsewhere the
-    current setting is left alone (``threefry2x32`` unless the user changed it).
-    """
-    import jax
-
-    if platform is None:
-        platform = "neuron" if neuron_available() else "other"
-    if platform == "neuron":
-        jax.config.update("jax_default_prng_impl", "rbg")
-    return str(jax.config.jax_default_prng_impl)
-
-
-def peak_flops_per_device(platform: str | None = None, lnc: int | None = None) -> float | None:
-    """Dense BF16 peak FLOP/s of one JAX device, or None when unknown (CPU, GPU, ...).
-
-    trn2 ("neuron" or "trn2"): 667e12 per chip of 8 physical cores; a JAX device is one logical
-    core of `lnc` physical cores: 667e12 * lnc / 8 (166.75e12 at LNC=2).
-    `platform` None = ``jax.default_backend()`` (initialises JAX's backends); `lnc` None =
-    ``NEURON_LOGICAL_NC_CONFIG`` from the environment, else 2.
-    """
-    if platform is None:
-        platform = current_platform()
-    if platform.lower() not in ("neuron", "trn2"):
-        return None
-    if lnc is None:
-        lnc = int(os.environ.get("NEURON_LOGICAL_NC_CONFIG", "2") or 2)
-    if int(lnc) not in (1, 2):
-        raise ValueError(f"lnc={lnc} must be 1 or 2 (logical NeuronCore size on trn2)")
-    return TRN2_CHIP_PEAK_FLOPS * int(lnc) / TRN2_CORES_PER_CHIP
-
-
-# ---------------------------------------------------------------------- preflight
 
 
 @dataclasses.dataclass(frozen=True)

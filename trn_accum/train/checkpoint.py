@@ -34,7 +34,8 @@ could never stop cleanly), it learns of the notice only through its own C++ SIGT
 Python handler replaces it, and SIGINT is not covered), so it cannot serve all three cases, while
 the all-gather works identically on one process, on CPU processes under ``jax.distributed`` (gloo)
 and on Neuron. Its cost is one scalar collective and a host sync every ``check_every`` steps.
-After saving, the trainer exits with ``EXIT_PREEMPTED`` (75, EX_TEMPFAIL: "try again").
+After saving, the trainer exits with ``trn_accum.errors.EXIT_PREEMPTED`` (75, EX_TEMPFAIL:
+"try again").
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ from typing import Any
 import jax
 import numpy as np
 
-EXIT_PREEMPTED = 75
+from trn_accum.errors import UserError
+
 STATE_ITEM = "state"
 META_ITEM = "meta"
 _STEP_DIR = re.compile(r"^(\d+)(\.orbax-checkpoint-tmp.*)?$")
@@ -58,7 +60,7 @@ _STEP_DIR = re.compile(r"^(\d+)(\.orbax-checkpoint-tmp.*)?$")
 log = logging.getLogger(__name__)
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """A checkpoint problem the user must resolve; the message is one line naming the path."""
 
 

@@ -22,23 +22,31 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 __all__ = [
+    "as_spec",
     "batch_shard_count",
     "build_mesh",
     "check_auto_mesh",
+    "check_axis_sizes",
     "check_spec_axes",
     "constrain",
-    "drop_axes",
-    "manual_axes",
     "cut_spec",
+    "divisibility_error",
+    "drop_axes",
+    "is_spec",
     "leaf_specs",
+    "manual_axes",
     "merge_minibatches",
     "minibatch_specs",
     "nearest_valid_steps",
+    "resolve_axes",
+    "spec_axes",
+    "split_leaf",
     "split_minibatches",
+    "valid_steps",
     "validate_batch",
     "validate_steps",
 ]
@@ -47,11 +55,13 @@ __all__ = [
 # ----------------------------------------------------------------------------- specs
 
 
-def _is_spec(x: Any) -> bool:
+def is_spec(x: Any) -> bool:
+    """A PartitionSpec or None (None = replicated): a leaf of a spec tree."""
     return isinstance(x, P) or x is None
 
 
-def _as_spec(x: P | None) -> P:
+def as_spec(x: P | None) -> P:
+    """`x`, with None read as P() (replicated)."""
     return P() if x is None else x
 
 
@@ -75,25 +85,26 @@ def minibatch_specs(batch_spec: Any, steps: int) -> tuple[Any, Any]:
     no mesh, no arrays, same answer for every k >= 1.
     """
     validate_steps(steps)
-    if _is_spec(batch_spec):
-        spec = _as_spec(batch_spec)
+    if is_spec(batch_spec):
+        spec = as_spec(batch_spec)
         return P(None, *spec), spec
-    stacked = jax.tree.map(lambda s: P(None, *_as_spec(s)), batch_spec, is_leaf=_is_spec)
-    mini = jax.tree.map(_as_spec, batch_spec, is_leaf=_is_spec)
+    stacked = jax.tree.map(lambda s: P(None, *as_spec(s)), batch_spec, is_leaf=is_spec)
+    mini = jax.tree.map(as_spec, batch_spec, is_leaf=is_spec)
     return stacked, mini
 
 
 def cut_spec(spec: P | None, ndim: int) -> P:
     """A spec cut to a leaf's rank (extra trailing entries dropped; shorter = replicated)."""
-    spec = _as_spec(spec)
+    spec = as_spec(spec)
     return P(*tuple(spec)[:ndim])
 
 
-def _spec_axes(entry: Any) -> tuple[str, ...]:
+def spec_axes(entry: Any) -> tuple[str, ...]:
+    """Mesh axis names of one PartitionSpec entry (None, a name, or a tuple of names)."""
     if entry is None:
         return ()
     if isinstance(entry, (tuple, list)):
-        return tuple(a for e in entry for a in _spec_axes(e))
+        return tuple(a for e in entry for a in spec_axes(e))
     if entry is P.UNCONSTRAINED:
         return ()
     return (entry,)
@@ -102,7 +113,7 @@ def _spec_axes(entry: Any) -> tuple[str, ...]:
 def check_spec_axes(spec: P, mesh: Mesh, *, what: str = "batch_spec") -> None:
     """ValueError if `spec` names an axis that `mesh` lacks."""
     for entry in spec:
-        for axis in _spec_axes(entry):
+        for axis in spec_axes(entry):
             if axis not in mesh.axis_names:
                 raise ValueError(
                     f"{what} {spec} names mesh axis {axis!r}, which the mesh "
@@ -125,10 +136,10 @@ def check_auto_mesh(mesh: Mesh) -> None:
 
 def batch_shard_count(spec: P | None, mesh: Mesh | None) -> int:
     """Number of shards of axis 0 under `spec` on `mesh` (1 without a mesh or a batch axis)."""
-    spec = _as_spec(spec)
+    spec = as_spec(spec)
     if mesh is None or len(spec) == 0:
         return 1
-    return math.prod(mesh.shape[a] for a in _spec_axes(spec[0]))
+    return math.prod(mesh.shape[a] for a in spec_axes(spec[0]))
 
 
 def _mesh_str(mesh: Mesh) -> str:
@@ -147,26 +158,53 @@ def leaf_specs(batch: Any, batch_spec: Any) -> list[P]:
     that is a prefix of `batch`'s structure.
     """
     leaves = jax.tree.leaves(batch)
-    if _is_spec(batch_spec):
+    if is_spec(batch_spec):
         return [cut_spec(batch_spec, np.ndim(x)) for x in leaves]
     try:
-        full = jax.tree.broadcast(batch_spec, batch, is_leaf=_is_spec)
+        full = jax.tree.broadcast(batch_spec, batch, is_leaf=is_spec)
     except ValueError as e:
         raise ValueError(
             f"batch_spec must be one PartitionSpec or a pytree prefix of the batch: {e}"
         ) from None
-    specs = jax.tree.leaves(full, is_leaf=_is_spec)
+    specs = jax.tree.leaves(full, is_leaf=is_spec)
     return [cut_spec(s, np.ndim(x)) for s, x in zip(specs, leaves, strict=True)]
+
+
+def valid_steps(batch_size: int, shards: int) -> tuple[int, ...]:
+    """Every k >= 1 with `batch_size` divisible by k × `shards`, ascending; () when `shards`
+    does not divide `batch_size` at all. The one statement of the divisibility rule."""
+    if shards < 1 or batch_size < 1 or batch_size % shards:
+        return ()
+    per_shard = batch_size // shards
+    return tuple(d for d in range(1, per_shard + 1) if per_shard % d == 0)
 
 
 def nearest_valid_steps(batch_size: int, shards: int, steps: int) -> int | None:
     """The k closest to `steps` with batch_size divisible by k·shards (ties: the larger k);
     None if batch_size is not divisible by shards at all."""
-    if shards < 1 or batch_size % shards:
+    ks = valid_steps(batch_size, shards)
+    return min(ks, key=lambda d: (abs(d - steps), -d)) if ks else None
+
+
+def divisibility_error(batch_size: int, steps: int, shards: int, *, axes: str = "") -> str | None:
+    """None when `batch_size` divides by `steps` × `shards`; otherwise the rule and the fix as
+    one clause, which callers prefix with where the numbers came from, e.g. "global batch size
+    B=48 is not divisible by steps k=4 × 8 batch shards (mesh axes ('data', 'fsdp')) = 32;
+    nearest valid steps: k=3, or use a batch size that is a multiple of 32"."""
+    if batch_size % (steps * shards) == 0:
         return None
-    per_shard = batch_size // shards
-    divisors = [d for d in range(1, per_shard + 1) if per_shard % d == 0]
-    return min(divisors, key=lambda d: (abs(d - steps), -d))
+    nearest = nearest_valid_steps(batch_size, shards, steps)
+    fix = (
+        f"nearest valid steps: k={nearest}"
+        if nearest is not None
+        else f"no k works: B is not divisible by the {shards} batch shards"
+    )
+    where = f" ({axes})" if axes else ""
+    return (
+        f"global batch size B={batch_size} is not divisible by steps k={steps} × {shards} "
+        f"batch shards{where} = {steps * shards}; {fix}, or use a batch size that is a multiple "
+        f"of {steps * shards}"
+    )
 
 
 def validate_batch(
@@ -204,21 +242,12 @@ def validate_batch(
         )
     batch_size = next(iter(sizes))
     for (path, _), spec in zip(flat, specs, strict=True):
-        shards = batch_shard_count(spec, mesh)
-        if batch_size % (steps * shards):
-            axes = _spec_axes(spec[0]) if len(spec) else ()
-            nearest = nearest_valid_steps(batch_size, shards, steps)
-            fix = (
-                f"nearest valid steps: k={nearest}"
-                if nearest is not None
-                else f"no k works: B is not divisible by the {shards} batch shards"
-            )
-            raise ValueError(
-                f"batch leaf {_path_str(path)}: global batch size B={batch_size} is not "
-                f"divisible by steps k={steps} × {shards} batch shards (mesh axes {axes}) "
-                f"= {steps * shards}; {fix}, or use a batch size that is a multiple of "
-                f"{steps * shards}"
-            )
+        axes = spec_axes(spec[0]) if len(spec) else ()
+        error = divisibility_error(
+            batch_size, steps, batch_shard_count(spec, mesh), axes=f"mesh axes {axes}"
+        )
+        if error:
+            raise ValueError(f"batch leaf {_path_str(path)}: {error}")
     return batch_size, specs
 
 
@@ -235,7 +264,7 @@ def manual_axes() -> frozenset[str]:
 def drop_axes(spec: P | None, axes: Collection[str]) -> P:
     """`spec` without the named mesh axes (an entry left empty becomes None)."""
     out = []
-    for entry in _as_spec(spec):
+    for entry in as_spec(spec):
         if isinstance(entry, (tuple, list)):
             kept = tuple(a for a in entry if a not in axes)
             out.append(kept if len(kept) > 1 else (kept[0] if kept else None))
@@ -248,24 +277,24 @@ def constrain(x: jax.Array, mesh: Mesh | None, spec: P | None) -> jax.Array:
     """`with_sharding_constraint(x, NamedSharding(mesh, spec))` that also works inside a
     partially manual `shard_map` (e.g. `accumulate_gradients(..., reduce="once")`): there the
     manual axes are dropped from `spec` and the constraint refers to the context mesh. Models
-    should use it for their activation constraints so they run in both modes. No-op when
-    `mesh` is None."""
+    should use it for their activation constraints so they run in both modes. `mesh` may be
+    the ambient `jax.sharding.get_abstract_mesh()` (the spec then refers to the mesh set with
+    `jax.set_mesh`). No-op when `mesh` is None."""
     if mesh is None:
         return x
     manual = manual_axes()
-    if manual:
+    if manual or isinstance(mesh, AbstractMesh):
         return jax.lax.with_sharding_constraint(x, drop_axes(spec, manual))
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, _as_spec(spec)))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, as_spec(spec)))
 
 
-_constrain = constrain
-
-
-def _split_leaf(x: jax.Array, steps: int, mesh: Mesh | None, spec: P) -> jax.Array:
-    x = _constrain(x, mesh, spec)
+def split_leaf(x: jax.Array, steps: int, mesh: Mesh | None, spec: P) -> jax.Array:
+    """One leaf [B, *rest] -> [k, B/k, *rest] (rows i::k), constrained to `spec` before and to
+    P(None, *spec) after (no validation: `split_minibatches` validates)."""
+    x = constrain(x, mesh, spec)
     b, rest = x.shape[0], x.shape[1:]
     y = x.reshape(b // steps, steps, *rest).swapaxes(0, 1)
-    return _constrain(y, mesh, P(None, *spec))
+    return constrain(y, mesh, P(None, *spec))
 
 
 def split_minibatches(
@@ -280,7 +309,7 @@ def split_minibatches(
     steps = validate_steps(steps)
     _, specs = validate_batch(batch, steps, mesh=mesh, batch_spec=batch_spec)
     leaves, treedef = jax.tree.flatten(batch)
-    out = [_split_leaf(x, steps, mesh, s) for x, s in zip(leaves, specs, strict=True)]
+    out = [split_leaf(x, steps, mesh, s) for x, s in zip(leaves, specs, strict=True)]
     return jax.tree.unflatten(treedef, out)
 
 
@@ -304,52 +333,73 @@ def merge_minibatches(stacked: Any, *, mesh: Mesh | None = None, batch_spec: Any
         k, bk, rest = x.shape[0], x.shape[1], x.shape[2:]
         if mesh is not None:
             check_spec_axes(spec, mesh)
-            x = _constrain(x, mesh, P(None, *spec))
+            x = constrain(x, mesh, P(None, *spec))
         y = x.swapaxes(0, 1).reshape(k * bk, *rest)
-        out.append(_constrain(y, mesh, spec) if mesh is not None else y)
+        out.append(constrain(y, mesh, spec) if mesh is not None else y)
     return jax.tree.unflatten(treedef, out)
 
 
 # ----------------------------------------------------------------------------- mesh
 
 
-def build_mesh(axes: Mapping[str, int], devices: Sequence[Any] | None = None) -> Mesh:
-    """A Mesh with the axes in the order given, e.g. {"data": 2, "fsdp": -1, "model": 4}.
-
-    One size may be -1: all remaining devices. Sizes must be positive ints whose product is
-    the device count (ValueError otherwise, naming the sizes and the count). Axis types are
-    Auto (shardings are stated with constraints, as the accumulation core does). Devices:
-    `jax.devices()` by default, laid out row-major in the order given (jax.make_mesh), so the
-    leading axes span processes/nodes in a multi-process run.
-    """
+def check_axis_sizes(axes: Mapping[str, int]) -> dict[str, int]:
+    """`axes` as {name: int}; ValueError unless every size is an int >= 1 or -1 and at most one
+    is -1. Needs no devices (the config checks this at load time)."""
     if not isinstance(axes, Mapping) or not axes:
         raise ValueError(f"mesh axes must be a non-empty mapping name -> size, got {axes!r}")
-    devices = list(jax.devices() if devices is None else devices)
-    n = len(devices)
-    names = [str(a) for a in axes]
-    sizes = []
+    sizes = {}
     for name, size in axes.items():
         if isinstance(size, bool) or not isinstance(size, (int, np.integer)):
             raise ValueError(f"mesh axis {name}={size!r}: size must be an int (or -1)")
         if size == 0 or size < -1:
             raise ValueError(f"mesh axis {name}={size}: size must be >= 1, or -1 for the rest")
-        sizes.append(int(size))
-    shown = ", ".join(f"{a}={s}" for a, s in zip(names, sizes, strict=True))
-    if sizes.count(-1) > 1:
-        raise ValueError(f"mesh ({shown}): at most one axis may be -1")
-    if -1 in sizes:
-        known = math.prod(s for s in sizes if s != -1)
-        if n % known:
+        sizes[str(name)] = int(size)
+    wild = [n for n, s in sizes.items() if s == -1]
+    if len(wild) > 1:
+        raise ValueError(f"mesh ({_sizes_str(sizes)}): at most one axis may be -1 ({wild})")
+    return sizes
+
+
+def _sizes_str(sizes: Mapping[str, int]) -> str:
+    return ", ".join(f"{a}={s}" for a, s in sizes.items())
+
+
+def resolve_axes(axes: Mapping[str, int], devices: int) -> dict[str, int]:
+    """Mesh axis sizes over `devices` devices with the -1 (if any) resolved: the one statement
+    of the mesh-sizing rule. ValueError (naming the sizes and the count) unless the sizes
+    multiply to `devices`, or, with a -1, their product divides it."""
+    sizes = check_axis_sizes(axes)
+    shown = _sizes_str(sizes)
+    known = math.prod(s for s in sizes.values() if s != -1)
+    if -1 in sizes.values():
+        if devices % known:
             raise ValueError(
                 f"mesh ({shown}): the other axes use {known} devices, which does not divide the "
-                f"{n} devices; pick sizes whose product divides {n}"
+                f"{devices} devices; pick sizes whose product divides {devices}"
             )
-        sizes[sizes.index(-1)] = n // known
-    if math.prod(sizes) != n:
+        sizes = {a: (devices // known if s == -1 else s) for a, s in sizes.items()}
+    if math.prod(sizes.values()) != devices:
         raise ValueError(
-            f"mesh ({shown}) needs {math.prod(sizes)} devices but {n} are available; make the "
-            f"sizes multiply to {n} or set one size to -1"
+            f"mesh ({shown}) needs {math.prod(sizes.values())} devices but {devices} are "
+            f"available; make the sizes multiply to {devices} or set one size to -1"
         )
+    return sizes
+
+
+def build_mesh(axes: Mapping[str, int], devices: Sequence[Any] | None = None) -> Mesh:
+    """A Mesh with the axes in the order given, e.g. {"data": 2, "fsdp": -1, "model": 4}.
+
+    One size may be -1: all remaining devices. Sizes must be positive ints whose product is
+    the device count (`resolve_axes`; ValueError otherwise, naming the sizes and the count).
+    Axis types are Auto (shardings are stated with constraints, as the accumulation core
+    does). Devices: `jax.devices()` by default, laid out row-major in the order given
+    (jax.make_mesh), so the leading axes span processes/nodes in a multi-process run.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = resolve_axes(axes, len(devices))
     return jax.make_mesh(
-        tuple(sizes), tuple(names), axis_types=(AxisType.Auto,) * len(names), devices=devices
+        tuple(sizes.values()),
+        tuple(sizes),
+        axis_types=(AxisType.Auto,) * len(sizes),
+        devices=devices,
     )

@@ -1,6 +1,7 @@
 """Optimizer: gradient clipping, AdamW (the reference's decoupled decay or optax.adamw), schedule.
 
-Two AdamW flavours (FACTS.md §1):
+Two AdamW flavours (the Fuji reference: AXLearn `experiments/text/gpt/common.py`,
+`adamw_decoupled_learner_config`):
 
 - ``"reference"`` (the Fuji reference, Loshchilov & Hutter Algorithm 2)::
 
@@ -17,7 +18,8 @@ Both are preceded by ``clip_by_global_norm``. The schedule multiplier ``eta`` ri
 0 to 1 over ``warmup_steps`` and then follows a cosine to ``end_fraction`` at ``total_steps``.
 
 Non-finite steps are skipped without a conditional (``lax.cond``, ``optax.apply_if_finite`` and
-``optax.MultiSteps`` lower to ``stablehlo.case``, which Neuron rejects, FACTS.md §3): the new and
+``optax.MultiSteps`` lower to ``stablehlo.case``, which Neuron rejects: Neuron docs, "JAX NeuronX
+Known Issues"): the new and
 old states are both computed and one is selected element-wise with ``jnp.where``.
 """
 

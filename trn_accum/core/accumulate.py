@@ -38,7 +38,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from trn_accum import sharding as shd
+from trn_accum.core import sharding as shd
 
 __all__ = ["AUX_REDUCTIONS", "LOOPS", "REDUCES", "accumulate_gradients"]
 
@@ -144,8 +144,8 @@ def accumulate_gradients(
         )
     if mesh is not None:
         shd.check_auto_mesh(mesh)
-        if batch_spec is not None and shd._is_spec(batch_spec):
-            shd.check_spec_axes(shd._as_spec(batch_spec), mesh)
+        if batch_spec is not None and shd.is_spec(batch_spec):
+            shd.check_spec_axes(shd.as_spec(batch_spec), mesh)
     if param_specs is not None and mesh is None and _has_bare_specs(param_specs):
         raise ValueError(
             "param_specs given as PartitionSpecs needs mesh=...; pass the mesh or NamedShardings"
@@ -300,7 +300,7 @@ def _loop(opts, acc, params, batch, args, specs, vary):
     k, mesh = opts.steps, opts.mesh
     leaves, treedef = jax.tree.flatten(batch)
     stacked = jax.tree.unflatten(
-        treedef, [shd._split_leaf(x, k, mesh, s) for x, s in zip(leaves, specs, strict=True)]
+        treedef, [shd.split_leaf(x, k, mesh, s) for x, s in zip(leaves, specs, strict=True)]
     )
     vg = jax.value_and_grad(functools.partial(_loss_with_aux, opts), has_aux=True)
     loss_dtype = []  # filled while the body is traced
@@ -377,7 +377,7 @@ def _reduce_once_axes(opts: _Options, specs: list[P], grad_specs: list | None) -
     dimension's sharding (the same for every batch leaf) that no parameter spec uses."""
     if opts.mesh is None:
         return ()
-    entries = {tuple(shd._spec_axes(s[0])) if len(s) else () for s in specs}
+    entries = {tuple(shd.spec_axes(s[0])) if len(s) else () for s in specs}
     if len(entries) != 1:
         raise ValueError(
             f'reduce="once" needs every batch leaf sharded the same way on axis 0, got {entries}'
@@ -387,7 +387,7 @@ def _reduce_once_axes(opts: _Options, specs: list[P], grad_specs: list | None) -
     for ms in grad_specs or ():
         if ms is not None:
             for entry in ms[1]:
-                used.update(shd._spec_axes(entry))
+                used.update(shd.spec_axes(entry))
     manual = []
     for axis in batch_axes:
         if axis in used:

@@ -29,29 +29,33 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
-import re
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
-from trn_accum import hlo as hlo_lib
-from trn_accum import train
-from trn_accum.config import Config, load_config
+from trn_accum.analysis import hlo as hlo_lib
+from trn_accum.analysis.collectives import count_collectives
+from trn_accum.analysis.memory import (
+    GIB,
+    activation_estimate,
+    compiled_memory,
+    fit_by_steps,
+    footprint,
+    tree_shard_bytes,
+)
+from trn_accum.core.sharding import resolve_axes, split_minibatches
+from trn_accum.errors import UserError, one_line
 from trn_accum.model import fuji
-from trn_accum.sharding import split_minibatches
-
-GIB = 1024**3
-TRN2_DEVICE_BUDGET_GIB = 24.0  # HBM per logical core at LNC=2 (FACTS.md §2)
-TRN2_PEAK_PER_CHIP = 667e12  # dense BF16 FLOP/s per trn2 chip
-TRN2_CHIPS_PER_NODE = 16
+from trn_accum.neuron import platform, preflight
+from trn_accum.neuron.platform import DEVICE_BUDGET_GIB
+from trn_accum.train import autok, step
+from trn_accum.train.config import load_config
 
 
-class DryRunError(ValueError):
+class DryRunError(UserError):
     """A user-caused dry-run problem (node count vs batch, ...): one line."""
 
 
@@ -59,150 +63,10 @@ class DryRunError(ValueError):
 # Pure helpers
 
 
-def resolve_axes(axes: Mapping[str, int], devices: int) -> dict[str, int]:
-    """Mesh axis sizes with the -1 resolved over `devices` (no Mesh built)."""
-    fixed = math.prod(s for s in axes.values() if s != -1)
-    return {a: (devices // fixed if s == -1 else s) for a, s in axes.items()}
-
-
-def _spec_axes(entry) -> tuple[str, ...]:
-    if entry is None:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
-
-
-def shard_bytes(shape: Sequence[int], dtype, spec: P, mesh_shape: Mapping[str, int]) -> int:
-    """Bytes of one device's shard of an array of `shape` under `spec` on a mesh of that shape
-    (a dimension not divisible by its axes is padded, as XLA does)."""
-    dims = []
-    entries = tuple(spec) + (None,) * (len(shape) - len(spec))
-    for d, entry in zip(shape, entries, strict=True):
-        n = math.prod(mesh_shape.get(a, 1) for a in _spec_axes(entry))
-        dims.append(-(-d // n))
-    return math.prod(dims) * jnp.dtype(dtype).itemsize
-
-
-def tree_shard_bytes(abstract, specs, mesh_shape: Mapping[str, int]) -> int:
-    leaves = jax.tree.leaves(abstract)
-    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
-    return sum(
-        shard_bytes(a.shape, a.dtype, s, mesh_shape)
-        for a, s in zip(leaves, spec_leaves, strict=True)
-    )
-
-
-def activation_estimate(cfg: Config, rows_per_minibatch: int, model_axis: int) -> dict[str, Any]:
-    """Analytic per-device activation bytes of one minibatch (forward kept for backward).
-
-    t = rows per device group per minibatch x seq tokens (replicated over the `model` axis;
-    heads and FFN hidden split over it), c = compute bytes. Saved per layer: remat "full":
-    the layer input (t·D·c); "save_qkvo": + q, k, v, context (t·(2H+2KV)·Dh/m·c) + o projection
-    (t·D·c); "none": everything a layer makes (+ norms, FFN gate/up/act, attention scores when
-    plain). Plus the working set of one layer recomputed in backward, the logits (float32,
-    vocabulary split over `model`; one chunk when loss_chunk > 0) and the all-gathered bf16
-    weights of one layer and of the embedding (FSDP).
-    """
-    m = cfg.model
-    mp = max(1, model_axis)
-    c = jnp.dtype(m.compute_dtype).itemsize
-    s = cfg.data.seq_len
-    t = rows_per_minibatch * s
-    d, h, kv, dh, f, v = (
-        m.hidden_dim,
-        m.num_heads,
-        m.num_kv_heads,
-        m.head_dim,
-        m.ffn_dim,
-        m.vocab_size,
-    )
-    qkvc = t * (2 * h + 2 * kv) * dh // mp * c
-    if m.attention == "plain":
-        scores = rows_per_minibatch * (h // mp) * s * s * 4 * 2  # scores + probs, float32
-    else:
-        blk = min(m.attention_block, s)
-        scores = rows_per_minibatch * (h // mp) * s * blk * 4 * 2
-    full_layer = t * c * (5 * d) + qkvc + t * c * 3 * f // mp + scores
-    per_layer = {
-        "full": t * d * c,
-        "save_qkvo": t * d * c + qkvc + t * d * c,
-        "none": full_layer,
-    }[m.remat]
-    logit_tokens = t if m.loss_chunk <= 0 else min(t, m.loss_chunk)
-    logits = logit_tokens * (v // mp) * 4 * 2  # logits and their gradient, float32
-    layer_weights = (d * (h + 2 * kv) * dh + h * dh * d + 3 * d * f) // mp * c
-    gathered = 2 * layer_weights + v * d // mp * c
-    saved = per_layer * m.num_layers
-    total = saved + full_layer + logits + gathered
-    return {
-        "tokens_per_device": t,
-        "saved_per_layer": per_layer,
-        "saved_all_layers": saved,
-        "one_layer_recompute": full_layer,
-        "logits": logits,
-        "gathered_weights": gathered,
-        "total": total,
-    }
-
-
-def fit_by_steps(
-    cfg: Config, mesh_per_node: Mapping[str, int], fixed_bytes: int, nodes: int, budget: float
-) -> dict[str, Any]:
-    """Analytic per-device bytes for every valid accum_steps k at `nodes` nodes, and the
-    smallest k that fits `budget` (None if none does).
-
-    fixed_bytes: what does not depend on k (parameters, optimizer state, the float32
-    accumulator and one minibatch's gradient). Per-device state is the same for any node count
-    (nodes replicate over `data`); only the rows per device group change:
-    global_batch / nodes / (data x fsdp per node)."""
-    groups = mesh_per_node.get("data", 1) * mesh_per_node.get("fsdp", 1)
-    b = cfg.data.global_batch
-    if b % nodes or (b // nodes) % groups:
-        return {"nodes": nodes, "rows_per_group": None, "table": [], "accum_steps": None}
-    rows = b // nodes // groups
-    table = []
-    for k in (j for j in range(1, rows + 1) if rows % j == 0):
-        act = activation_estimate(cfg, rows // k, mesh_per_node.get("model", 1))
-        table.append({"k": k, "rows_per_minibatch": rows // k, "bytes": fixed_bytes + act["total"]})
-    fits = [row["k"] for row in table if row["bytes"] <= budget]
-    return {
-        "nodes": nodes,
-        "rows_per_group": rows,
-        "table": table,
-        "accum_steps": min(fits, default=None),
-    }
-
-
-def hlo_dot_flops(module: hlo_lib.HloModule) -> dict[str, Any]:
-    """Dot FLOPs per device from a compiled module: once each (`once`) and multiplied by the
-    trip counts of the loops they sit in (`with_trips`); `unknown_trips` counts dots in loops
-    of unknown trip count (taken once)."""
-    once = with_trips = 0
-    unknown = 0
-    for ins in module.instructions():
-        if ins.opcode != "dot" or not ins.shapes:
-            continue
-        ops = module.operand_instructions(ins)
-        if not ops or not ops[0].shapes:
-            continue
-        lhs = ops[0].shapes[0].dims
-        contracting = [
-            int(x) for x in re.findall(r"\d+", ins.attrs.get("lhs_contracting_dims", ""))
-        ]
-        k = math.prod(lhs[i] for i in contracting if i < len(lhs))
-        flops = 2 * ins.shapes[0].size * k
-        mult = module.trip_multiplier(ins.computation)
-        once += flops
-        if mult is None:
-            unknown += 1
-            mult = 1
-        with_trips += flops * mult
-    return {"once": once, "with_trips": with_trips, "unknown_trips": unknown}
-
-
 def _cost_flops(compiled) -> float | None:
     try:
         cost = compiled.cost_analysis()
-    except Exception:  # noqa: BLE001 - backend without cost analysis
+    except Exception:  # a backend without cost analysis
         return None
     if isinstance(cost, Sequence) and cost:
         cost = cost[0]
@@ -211,32 +75,13 @@ def _cost_flops(compiled) -> float | None:
     return float(cost["flops"])
 
 
-def _memory(compiled) -> dict[str, int] | None:
-    try:
-        mem = compiled.memory_analysis()
-    except Exception:  # noqa: BLE001
-        return None
-    if mem is None:
-        return None
-    keys = (
-        "argument_size_in_bytes",
-        "output_size_in_bytes",
-        "alias_size_in_bytes",
-        "temp_size_in_bytes",
-        "generated_code_size_in_bytes",
-    )
-    return {k.removesuffix("_size_in_bytes"): int(getattr(mem, k, 0) or 0) for k in keys}
-
-
-def _findings(hlo_text: str) -> tuple[list[str], list[str]]:
+def preflight_findings(hlo_text: str) -> tuple[list[str], list[str]]:
     """(blockers, warnings) of `trn_accum.neuron.preflight` as one-line strings; the PRNG is
-    taken as rbg, what a trn2 run configures (`trn_accum.distributed.initialize`)."""
-    from trn_accum import neuron  # noqa: PLC0415
-
+    taken as rbg, what a trn2 run configures (`trn_accum.cluster.distributed.initialize`)."""
     blockers, warnings = [], []
-    for f in neuron.preflight(hlo_text, prng_impl="rbg"):
-        text = " ".join(str(f).split())
-        (blockers if f.severity == neuron.BLOCKER else warnings).append(text)
+    for f in preflight.preflight(hlo_text, prng_impl="rbg"):
+        text = one_line(f)
+        (blockers if f.severity == preflight.BLOCKER else warnings).append(text)
     return blockers, warnings
 
 
@@ -275,48 +120,39 @@ def run(
             f"over the nodes (rows per node = global_batch / nodes); pick a divisor"
         )
     node_batch = cfg.data.global_batch // nodes
-    mesh = train.make_mesh(cfg, devs)
-    tuned = None
-    if cfg.trainer.accum_steps == "auto":
-        cfg, tuned = _autotune(cfg, mesh, node_batch)
-    k = train.check_batch(cfg, mesh, node_batch)
+    mesh = step.make_mesh(cfg, devs)
+    cfg, tuned = autok.resolve_accum_steps(cfg, mesh, batch_rows=node_batch)
+    program = step.build_step(cfg, mesh, batch_rows=node_batch)
+    k = cfg.trainer.accum_steps
     local_shape = dict(mesh.shape)
-    full_shape = resolve_axes(cfg.mesh.axes(), n_dev * nodes)
-    if full_shape["data"] * full_shape["fsdp"] * full_shape["model"] != n_dev * nodes:
+    try:
+        full_shape = resolve_axes(cfg.mesh.axes(), n_dev * nodes)
+    except ValueError as e:
         raise DryRunError(
-            f"mesh {cfg.mesh.axes()} does not fit {nodes} nodes x {n_dev} devices: set one axis "
-            f"to -1"
-        )
+            f"mesh {cfg.mesh.axes()} on {nodes} nodes x {n_dev} devices: {e}"
+        ) from None
     rows_per_group = node_batch // (local_shape["data"] * local_shape["fsdp"])
     rows_per_mb = rows_per_group // k
-
-    tx, lr_fn = train.make_optimizer(cfg)
-    specs = train.param_specs(cfg, mesh)
-    abstract = train.abstract_state(cfg, tx)
-    sspecs = train.state_specs(tx, abstract, specs)
-    shardings = train.named(mesh, sspecs)
-    step_fn = train.make_train_step(cfg, mesh, tx, lr_fn, specs, shardings)
-    state_in = train.restore_target(abstract, shardings)
-    batch_in = train.abstract_batch(cfg, mesh, node_batch)
+    abstract, specs, sspecs = program.abstract, program.specs, program.state_specs
+    _, batch_in = program.abstract_inputs()
 
     t0 = time.perf_counter()
-    with jax.set_mesh(mesh):
-        lowered = step_fn.lower(state_in, batch_in)
-        t1 = time.perf_counter()
-        compiled = lowered.compile()
+    _ = program.lowered  # timed on its own
+    t1 = time.perf_counter()
+    compiled = program.compiled
     t2 = time.perf_counter()
     hlo_text = compiled.as_text()
     module = hlo_lib.parse_hlo(hlo_text)
 
     # The split alone, with the real input sharding: must move nothing.
     split = jax.jit(
-        lambda b: split_minibatches(b, k, mesh=mesh, batch_spec=train.BATCH_SPEC),
-        in_shardings=(train.batch_sharding(mesh),),
+        lambda b: split_minibatches(b, k, mesh=mesh, batch_spec=step.BATCH_SPEC),
+        in_shardings=(step.batch_sharding(mesh),),
     )
     with jax.set_mesh(mesh):
         split_hlo = split.lower(batch_in).compile().as_text()
-    split_counts = hlo_lib.count_collectives(split_hlo)["total"]
-    step_counts = module.count_collectives()
+    split_counts = count_collectives(split_hlo)["total"]
+    step_counts = count_collectives(module)
 
     # Bytes per device, exact from shard shapes on the full (multi-node) mesh.
     n_params = fuji.num_params(cfg.model)
@@ -327,9 +163,9 @@ def run(
         full_shape,
     )
     o_bytes = tree_shard_bytes(abstract["opt_state"], sspecs["opt_state"], full_shape)
-    mem = _memory(compiled)
+    mem = compiled_memory(compiled)
     act = activation_estimate(cfg, rows_per_mb, local_shape.get("model", 1))
-    budget = TRN2_DEVICE_BUDGET_GIB * GIB
+    budget = DEVICE_BUDGET_GIB * GIB
     state_bytes = p_bytes + g_bytes + o_bytes
     analytic_total = state_bytes + g_bytes + act["total"]  # + one minibatch's gradient
     fit_nodes = sorted({1, cfg.mesh.nodes, nodes})
@@ -338,16 +174,16 @@ def run(
     ]
 
     # FLOPs.
-    fl = train.flops_per_step(cfg)  # the full global batch (all nodes)
+    fl = step.flops_per_step(cfg)  # the full global batch (all nodes)
     total_devices = n_dev * nodes
     cost = _cost_flops(compiled)
-    dots = hlo_dot_flops(module)
+    dots = hlo_lib.dot_flops(module)
     cost_trips = None if cost is None else cost + dots["with_trips"] - dots["once"]
-    chips = TRN2_CHIPS_PER_NODE * nodes * n_dev / 64
-    peak_total = TRN2_PEAK_PER_CHIP * chips
+    chips = platform.TRN2_CHIPS_PER_NODE * nodes * n_dev / platform.devices_per_node()
+    peak_total = platform.TRN2_CHIP_PEAK_FLOPS * chips
     floor_s = fl["total"] / peak_total
 
-    blockers, warnings = _findings(hlo_text)
+    blockers, warnings = preflight_findings(hlo_text)
     if sum(split_counts.values()):
         blockers.append(f"blocker: split: split_minibatches compiled to collectives {split_counts}")
 
@@ -381,19 +217,15 @@ def run(
         "compiled_memory_caveat": (
             "XLA:CPU temporaries are a proxy, not a trn2 fit check: CPU computes bf16 dots in "
             "float32 and schedules differently; unrolled layers may keep more than remat "
-            "implies (FACTS.md §7)"
+            "implies; see docs/design.md"
         ),
         "activation_estimate": act,
         "fit": {
-            "budget_gib": TRN2_DEVICE_BUDGET_GIB,
+            "budget_gib": DEVICE_BUDGET_GIB,
             "analytic_total_bytes": analytic_total,
             "analytic_fits": analytic_total <= budget,
-            "compiled_total_bytes": None
-            if mem is None
-            else mem["argument"] + mem["output"] - mem["alias"] + mem["temp"],
-            "compiled_fits": None
-            if mem is None
-            else mem["argument"] + mem["output"] - mem["alias"] + mem["temp"] <= budget,
+            "compiled_total_bytes": footprint(mem),
+            "compiled_fits": None if mem is None else footprint(mem) <= budget,
         },
         "fit_by_accum_steps": fit_table,
         "flops": {
@@ -412,8 +244,9 @@ def run(
         },
         "step_time_floor_s": floor_s,
         "mfu_formula": (
-            f"MFU = {fl['total']:.4g} FLOP / step_time_s / ({TRN2_PEAK_PER_CHIP:.4g} FLOP/s x "
-            f"{chips:g} chips) = {floor_s:.4g} s / step_time_s"
+            f"MFU = {fl['total']:.4g} FLOP / step_time_s / "
+            f"({platform.TRN2_CHIP_PEAK_FLOPS:.4g} FLOP/s x {chips:g} chips) = "
+            f"{floor_s:.4g} s / step_time_s"
         ),
         "split_collectives": split_counts,
         "step_collectives": {
@@ -428,17 +261,6 @@ def run(
             "total": round(time.perf_counter() - t_start, 2),
         },
     }
-
-
-def _autotune(cfg: Config, mesh, node_batch: int):
-    """accum_steps = "auto": the smallest k whose compiled step fits trainer.memory_budget_gib
-    per device, for one node's rows on this node's mesh (`trn_accum.autotune`)."""
-    from trn_accum import autotune  # noqa: PLC0415
-
-    try:
-        return autotune.resolve_accum_steps(cfg, mesh, batch_rows=node_batch)
-    except autotune.AutotuneError as e:
-        raise DryRunError(str(e)) from None
 
 
 def _gib(x: float | None) -> str:

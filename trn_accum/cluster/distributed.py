@@ -21,7 +21,8 @@ Where the process runs is read from its environment by a pure function,
 4. otherwise a single process (``jax.distributed`` is not started).
 
 On Neuron the plan also holds, derived from the same facts, the multi-process variables the
-Neuron PJRT plugin reads when its backend starts (FACTS.md §3):
+Neuron PJRT plugin reads when its backend starts (Neuron docs, "JAX NeuronX" setup and the
+Neuron runtime configuration page):
 ``NEURON_PJRT_PROCESSES_NUM_DEVICES`` ("64,64,..."; devices per process from
 ``TRN_ACCUM_DEVICES_PER_PROCESS``, else the count of ``NEURON_RT_VISIBLE_CORES``, else
 128 / ``NEURON_LOGICAL_NC_CONFIG`` for a trn2.48xlarge), ``NEURON_PJRT_PROCESS_INDEX`` (the
@@ -31,8 +32,9 @@ in the environment wins. ``initialize`` exports them and selects the rbg PRNG
 (``jax_default_prng_impl``), since Threefry is not fully supported on Neuron.
 
 Bad values raise ``LaunchError`` (a ``ValueError``) with one line naming the variable, the rule
-and a fix. This module is a leaf: it imports only the standard library at the top (JAX and
-``trn_accum.neuron``, for detection, environment and PRNG, inside ``initialize``).
+and a fix. JAX is imported inside ``initialize`` only: deriving a plan starts nothing. On Neuron,
+``initialize`` also applies ``trn_accum.neuron.platform.trn2_env`` (the values
+``launch/env/trn2.sh`` exports; what is already set wins) and selects the rbg PRNG.
 """
 
 from __future__ import annotations
@@ -41,6 +43,9 @@ import dataclasses
 import os
 import re
 from collections.abc import Mapping
+
+from trn_accum.errors import UserError
+from trn_accum.neuron import platform
 
 __all__ = [
     "DEFAULT_K8S_PORT",
@@ -56,7 +61,6 @@ __all__ = [
 
 DEFAULT_K8S_PORT = 55527  # the port JAX's own Kubernetes detection uses
 DEFAULT_NEURON_ROOT_PORT = 41000  # outside JAX's Slurm range [61440, 65535]
-TRN2_PHYSICAL_CORES = 128  # trn2.48xlarge: 16 chips x 8 NeuronCore-v3
 
 # a Slurm job step: what JAX's own Slurm detection requires
 _SLURM_STEP_VARS = (
@@ -68,7 +72,7 @@ _SLURM_STEP_VARS = (
 )
 
 
-class LaunchError(ValueError):
+class LaunchError(UserError):
     """The launch environment is inconsistent; one line naming the value, the rule and a fix."""
 
 
@@ -253,9 +257,9 @@ def neuron_devices_per_process(env: Mapping[str, str]) -> int:
     if env.get("NEURON_RT_VISIBLE_CORES"):
         return _count_cores(env["NEURON_RT_VISIBLE_CORES"])
     lnc = _int("NEURON_LOGICAL_NC_CONFIG", env.get("NEURON_LOGICAL_NC_CONFIG") or "2", minimum=1)
-    if lnc not in (1, 2):
+    if lnc not in platform.LNC_VALUES:
         raise LaunchError(f"NEURON_LOGICAL_NC_CONFIG={lnc} must be 1 or 2 on trn2")
-    return TRN2_PHYSICAL_CORES // lnc
+    return platform.devices_per_node(lnc)
 
 
 def _neuron_env(env: Mapping[str, str], plan: LaunchPlan) -> dict[str, str]:
@@ -382,11 +386,9 @@ def derive_launch(
 
 
 def on_neuron() -> bool:
-    """Whether the Neuron backend will run here: `trn_accum.neuron.neuron_available()` (plugin
-    installed, /dev/neuron* present, `JAX_PLATFORMS` allows it; no backend is started)."""
-    from trn_accum import neuron  # noqa: PLC0415
-
-    return neuron.neuron_available()
+    """Whether the Neuron backend will run here: `trn_accum.neuron.platform.neuron_available()`
+    (plugin installed, /dev/neuron* present, `JAX_PLATFORMS` allows it; nothing is started)."""
+    return platform.neuron_available()
 
 
 def initialize(
@@ -425,13 +427,14 @@ def initialize(
         process_id=process_id,
         neuron=neuron,
     )
-    import jax  # noqa: PLC0415  (a leaf module: JAX only when actually starting)
+    import jax  # JAX only when actually starting
 
     if neuron:
-        from trn_accum import neuron as neuron_mod  # noqa: PLC0415
-
-        neuron_mod.apply_env(plan.neuron_env)  # values already in os.environ win
-        neuron_mod.configure_prng("neuron")  # rbg
+        platform.apply_env(plan.neuron_env)  # values already in os.environ win
+        applied = platform.apply_env(platform.trn2_env())  # what launch/env/trn2.sh exports
+        if "JAX_COMPILATION_CACHE_DIR" in applied:  # JAX read its env when it was imported
+            jax.config.update("jax_compilation_cache_dir", applied["JAX_COMPILATION_CACHE_DIR"])
+        platform.configure_prng("neuron")  # rbg
     info = ProcessInfo(
         plan.mode, plan.process_id, plan.num_processes, plan.coordinator, bool(neuron), plan
     )
@@ -442,7 +445,7 @@ def initialize(
         kwargs["heartbeat_timeout_seconds"] = int(heartbeat_timeout_seconds)
     if plan.mode == "slurm":
         jax.distributed.initialize(cluster_detection_method="slurm", **kwargs)
-        from jax._src.distributed import global_state as state  # noqa: PLC0415 (no backend start)
+        from jax._src.distributed import global_state as state  # no backend start
 
         got = (state.process_id, state.num_processes)
         if got != (plan.process_id, plan.num_processes):

@@ -21,6 +21,8 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import IO, Any
 
+from trn_accum.errors import UserError
+
 METRICS_FILE = "metrics.jsonl"
 
 # Console order and format of the known train metrics; others are printed after them.
@@ -131,12 +133,10 @@ class MetricsLogger:
         if not enabled:
             return
         os.makedirs(self.run_dir, exist_ok=True)
-        self._file = open(  # noqa: SIM115 - closed in close()
-            os.path.join(self.run_dir, METRICS_FILE), "a", encoding="utf-8"
-        )
+        self._file = open(os.path.join(self.run_dir, METRICS_FILE), "a", encoding="utf-8")
         if tensorboard:
             try:
-                from tensorboardX import SummaryWriter  # noqa: PLC0415
+                from tensorboardX import SummaryWriter
 
                 self._tb = SummaryWriter(os.path.join(self.run_dir, "tensorboard"))
             except ImportError:
@@ -219,7 +219,7 @@ class MetricsLogger:
 # -- plotting --------------------------------------------------------------------------------
 
 
-class PlotError(RuntimeError):
+class PlotError(UserError):
     """User-facing plot error (missing matplotlib, no metrics)."""
 
 
@@ -242,10 +242,10 @@ def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None) -
     if not any(r.get("kind", "train") == "train" for r in records):
         raise PlotError(f"{path} has no train records yet: nothing to plot")
     try:
-        import matplotlib  # noqa: PLC0415
+        import matplotlib
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # noqa: PLC0415
+        import matplotlib.pyplot as plt
     except ImportError as e:
         raise PlotError(
             f"plot needs matplotlib ({e}); install it with: pip install 'trn_accum[plot]'"

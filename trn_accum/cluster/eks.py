@@ -33,19 +33,20 @@ A JobSet (`failurePolicy.maxRestarts`) would restart all child pods by itself, b
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import re
 import shlex
-import sys
 from collections.abc import Sequence
 from typing import Any
+
+import yaml
+
+from trn_accum.cluster.distributed import DEFAULT_K8S_PORT, DEFAULT_NEURON_ROOT_PORT
+from trn_accum.errors import EXIT_PREEMPTED, EXIT_USAGE, UserError
+from trn_accum.neuron.platform import TRN2_CHIPS_PER_NODE, TRN2_INSTANCE_TYPE
 
 __all__ = [
     "DEFAULT_CONFIG",
     "RenderError",
-    "main",
     "manifests",
     "render_eks",
     "to_yaml",
@@ -56,18 +57,17 @@ DEFAULT_NAME = "fuji-3b"
 DEFAULT_PVC = "trn-accum-fsx"
 DEFAULT_WORKDIR = "/workspace/trn_accum"  # the repository inside the image (Dockerfile)
 CHECKPOINT_MOUNT = "/checkpoints"
-COORDINATOR_PORT = 55527  # trn_accum.distributed.DEFAULT_K8S_PORT
-NEURON_ROOT_PORT = 41000  # trn_accum.distributed.DEFAULT_NEURON_ROOT_PORT
-EXIT_USAGE, EXIT_PREEMPTED = 2, 75  # trn-accum exit codes
-INSTANCE_TYPE = "trn2.48xlarge"
-NEURON_DEVICES = 16  # chips per trn2.48xlarge
-EFA_DEVICES = 16
+COORDINATOR_PORT = DEFAULT_K8S_PORT
+NEURON_ROOT_PORT = DEFAULT_NEURON_ROOT_PORT
+INSTANCE_TYPE = TRN2_INSTANCE_TYPE
+NEURON_DEVICES = TRN2_CHIPS_PER_NODE  # aws.amazon.com/neuron counts chips
+EFA_DEVICES = 16  # EFA interfaces of a trn2.48xlarge
 
 _DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")  # RFC 1035 label
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")  # RFC 1123 subdomain
 
 
-class RenderError(ValueError):
+class RenderError(UserError):
     """A bad render-eks value: one line naming the value, the rule and a fix."""
 
 
@@ -223,62 +223,26 @@ def manifests(
 
 # ----------------------------------------------------------------------------- YAML
 
-_PLAIN = re.compile(r"^[A-Za-z/][A-Za-z0-9_./@-]*$")
-_RESERVED = {"true", "false", "yes", "no", "on", "off", "y", "n", "null", "none"}
+
+class _Dumper(yaml.SafeDumper):
+    """pyyaml's safe dumper, with multi-line strings (the pod script) as literal blocks."""
 
 
-def _scalar(v: Any) -> str:
-    if v is True or v is False:
-        return "true" if v else "false"
-    if v is None:
-        return "null"
-    if isinstance(v, int | float):
-        return json.dumps(v)
-    s = str(v)
-    if _PLAIN.match(s) and s.lower() not in _RESERVED:
-        return s
-    return json.dumps(s)  # a JSON string is a valid YAML double-quoted scalar
+def _str(dumper: yaml.SafeDumper, value: str) -> yaml.Node:
+    style = "|" if "\n" in value else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
 
 
-def _block(v: str, pad: str) -> list[str]:
-    indicator = "|" if v.endswith("\n") and not v.endswith("\n\n") else "|-"
-    return [indicator] + [f"{pad}{line}" if line else "" for line in v.rstrip("\n").split("\n")]
-
-
-def _emit(obj: Any, indent: int) -> list[str]:
-    pad = " " * indent
-    lines: list[str] = []
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            key = f"{pad}{_scalar(k)}:"
-            if isinstance(v, dict) and v:
-                lines += [key, *_emit(v, indent + 2)]
-            elif isinstance(v, list) and v:
-                lines += [key, *_emit(v, indent)]
-            elif isinstance(v, str) and "\n" in v:
-                head, *rest = _block(v, pad + "  ")
-                lines += [f"{key} {head}", *rest]
-            else:
-                lines.append(f"{key} {'{}' if v == {} else '[]' if v == [] else _scalar(v)}")
-    elif isinstance(obj, list):
-        for item in obj:
-            if isinstance(item, dict | list) and item:
-                sub = _emit(item, indent + 2)
-                lines += [f"{pad}- {sub[0][indent + 2 :]}", *sub[1:]]
-            elif isinstance(item, str) and "\n" in item:
-                head, *rest = _block(item, pad + "  ")
-                lines += [f"{pad}- {head}", *rest]
-            else:
-                lines.append(f"{pad}- {_scalar(item)}")
-    else:
-        lines.append(pad + _scalar(obj))
-    return lines
+_Dumper.add_representer(str, _str)
 
 
 def to_yaml(docs: Sequence[dict], header: str = "") -> str:
-    """Multi-document YAML (block style) of plain dicts, lists and scalars."""
+    """Multi-document YAML (block style, keys in the order given) with `header` as comments."""
     head = "".join(f"# {line}\n" if line else "#\n" for line in header.splitlines())
-    return head + "".join("---\n" + "\n".join(_emit(d, 0)) + "\n" for d in docs)
+    body = yaml.dump_all(
+        docs, Dumper=_Dumper, sort_keys=False, default_flow_style=False, explicit_start=True
+    )
+    return head + body
 
 
 def render_eks(
@@ -353,80 +317,3 @@ def render_eks(
         f"  kubectl logs -l app.kubernetes.io/instance={name} --prefix -f (all ranks)."
     )
     return to_yaml(docs, header)
-
-
-# ----------------------------------------------------------------------------- CLI
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, no usage block
-        raise RenderError(f"render-eks: {message} (see `trn-accum render-eks --help`)")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
-        prog="trn-accum render-eks",
-        description="Write the EKS manifests (headless Service + Indexed Job) for N trn2 nodes.",
-    )
-    p.add_argument("--nodes", type=int, required=True, help="trn2.48xlarge nodes (= pods)")
-    p.add_argument("--image", required=True, help="the Dockerfile's neuron stage, pushed")
-    p.add_argument("--config", default=DEFAULT_CONFIG, help="config path inside the image")
-    p.add_argument("--name", default=DEFAULT_NAME, help="Job/Service name (DNS label)")
-    p.add_argument("--namespace", default="default")
-    p.add_argument("--pvc", default=DEFAULT_PVC, help="shared-FS PersistentVolumeClaim")
-    p.add_argument("--run-dir", default=None, help="default /checkpoints/<name>")
-    p.add_argument("--max-restarts", type=int, default=3, help="whole-job restarts on crashes")
-    p.add_argument("--scheduler-name", default=None, help="pod schedulerName (optional)")
-    p.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="config override passed to `trn-accum train --set` (repeatable)",
-    )
-    p.add_argument(
-        "--train-arg",
-        action="append",
-        default=[],
-        metavar="ARG",
-        help="any extra `trn-accum train` argument, verbatim (repeatable; use --train-arg=-x)",
-    )
-    p.add_argument("-o", "--output", default="-", help="output file (default: stdout)")
-    return p
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """`trn-accum render-eks ...`: writes the YAML; bad values raise RenderError (one line)."""
-    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
-    train_args = [a for kv in args.set for a in ("--set", kv)] + list(args.train_arg)
-    text = render_eks(
-        args.nodes,
-        args.image,
-        args.config,
-        name=args.name,
-        namespace=args.namespace,
-        pvc=args.pvc,
-        run_dir=args.run_dir,
-        train_args=train_args,
-        max_restarts=args.max_restarts,
-        scheduler_name=args.scheduler_name,
-    )
-    if args.output == "-":
-        sys.stdout.write(text)
-    else:
-        try:
-            parent = os.path.dirname(os.path.abspath(args.output))
-            os.makedirs(parent, exist_ok=True)
-            with open(args.output, "w", encoding="utf-8") as f:
-                f.write(text)
-        except OSError as e:
-            raise RenderError(f"-o {args.output!r}: cannot write ({e.strerror})") from None
-    return 0
-
-
-if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except RenderError as e:
-        print(f"trn-accum render-eks: error: {e}", file=sys.stderr)
-        sys.exit(EXIT_USAGE)

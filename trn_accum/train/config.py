@@ -7,7 +7,8 @@ as TOML, a bare word taken as a string) and validates every field and the cross-
 Every problem raises `ConfigError` (a ValueError) with one line naming the key, the value and
 what is allowed.
 
-This module imports only the standard library: the model, trainer and CLI import it.
+The allowed values of a choice key come from the module that implements it (the model, the
+accumulation core, the optimizer, the data), so a new choice is added in one place.
 """
 
 from __future__ import annotations
@@ -21,48 +22,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# Names of the logical-axis -> mesh-axis rule sets (the rules themselves: trn_accum.model.fuji).
-SHARDING_RULE_SETS = ("trn2", "fsdp")
-ATTENTION_IMPLS = ("plain", "blockwise", "neuron_flash")
-COMPUTE_DTYPES = ("bfloat16", "float32")
-LAYER_LOOPS = ("scan", "unroll")
-REMAT_POLICIES = ("none", "full", "save_qkvo")
-DATA_KINDS = ("synthetic", "tokens")
-OPTIMIZER_KINDS = ("reference", "adamw")
-ACCUM_LOOPS = ("scan", "unroll")
-GRAD_REDUCTIONS = ("per_minibatch", "once")
+from trn_accum.core.accumulate import LOOPS as ACCUM_LOOPS
+from trn_accum.core.accumulate import REDUCES as GRAD_REDUCTIONS
+from trn_accum.core.sharding import check_axis_sizes, divisibility_error
+from trn_accum.errors import UserError
+from trn_accum.model.fuji import RULES, ModelConfig
+from trn_accum.neuron.platform import DEVICE_BUDGET_GIB
+from trn_accum.train.data import DATA_KINDS
+from trn_accum.train.optim import KINDS as OPTIMIZER_KINDS
+
+SHARDING_RULE_SETS = tuple(RULES)
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A bad configuration: one line naming the key, the value and what is allowed."""
 
 
 def _choice(*allowed: str) -> dict:
     return {"choices": allowed}
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """The Fuji decoder (defaults: Fuji 3B v3, FACTS.md §1)."""
-
-    vocab_size: int = 131072
-    num_layers: int = 28
-    hidden_dim: int = 3072
-    num_heads: int = 24
-    num_kv_heads: int = 8
-    head_dim: int = 128
-    ffn_dim: int = 8192
-    rope_theta: float = 500000.0
-    norm_eps: float = 1e-5
-    max_seq_len: int = 8192
-    init_std: float = 0.02  # normal(0, init_std) for every matrix, the embedding included
-    compute_dtype: str = field(default="bfloat16", metadata=_choice(*COMPUTE_DTYPES))
-    layer_loop: str = field(default="scan", metadata=_choice(*LAYER_LOOPS))
-    # none | full | save_qkvo (reference: keep the q/k/v/o projections and attention context)
-    remat: str = field(default="none", metadata=_choice(*REMAT_POLICIES))
-    attention: str = field(default="plain", metadata=_choice(*ATTENTION_IMPLS))
-    attention_block: int = 512  # block size of blockwise / flash attention
-    loss_chunk: int = 0  # tokens per LM-head/cross-entropy chunk; 0 = no chunking
 
 
 @dataclass(frozen=True)
@@ -92,7 +69,7 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    """Clip by global norm, AdamW, linear warmup then cosine decay (FACTS.md §1).
+    """Clip by global norm, AdamW, linear warmup then cosine decay (`trn_accum.train.optim`).
 
     kind "reference": decoupled decay, update = -eta(t) * (peak_lr * adam(g) + weight_decay *
     theta) with eta(t) peaking at 1.0. kind "adamw": `optax.adamw(peak_lr * eta(t), ...)`.
@@ -120,7 +97,7 @@ class TrainerConfig:
     log_every: int = 10
     eval_every: int = 0  # 0 = never
     seed: int = 0  # parameter init and per-step RNG
-    memory_budget_gib: float = 24.0  # per device, for accum_steps = "auto" (trn2 LNC=2: 24 GiB)
+    memory_budget_gib: float = DEVICE_BUDGET_GIB  # per device, for accum_steps = "auto"
 
 
 @dataclass(frozen=True)
@@ -305,14 +282,18 @@ def _check_config(cfg: Config) -> None:
         _require(getattr(m, name) > 0, f"model.{name}", getattr(m, name), "must be > 0")
     _require(m.loss_chunk >= 0, "model.loss_chunk", m.loss_chunk, "must be >= 0 (0 = no chunking)")
 
-    sizes = mesh.axes()
-    for name, size in sizes.items():
-        _require(size >= 1 or size == -1, f"mesh.{name}", size, "must be >= 1, or -1 (the rest)")
-    wild = [n for n, s in sizes.items() if s == -1]
-    if len(wild) > 1:
+    try:
+        check_axis_sizes(mesh.axes())
+    except ValueError:
+        sizes = mesh.axes()
+        for name, size in sizes.items():
+            _require(
+                size >= 1 or size == -1, f"mesh.{name}", size, "must be >= 1, or -1 (the rest)"
+            )
+        wild = [n for n, s in sizes.items() if s == -1]
         raise ConfigError(
             f"mesh.{wild[1]} = -1: only one mesh axis may be -1 (mesh.{wild[0]} is -1 already)"
-        )
+        ) from None
     _require(mesh.nodes >= 1, "mesh.nodes", mesh.nodes, "must be >= 1")
     if mesh.rules == "fsdp":
         _require(
@@ -378,24 +359,23 @@ def _check_config(cfg: Config) -> None:
     _require(t.steps >= 1, "trainer.steps", t.steps, "must be >= 1")
     # Necessary on any device count: the global batch splits into accum_steps minibatches,
     # each sharded over the batch axes ("data", "fsdp"); an axis of -1 only multiplies them.
-    shards = math.prod(s for s in (mesh.data, mesh.fsdp) if s != -1)
-    if t.accum_steps == "auto":
-        _require(
-            d.global_batch % shards == 0,
-            "data.global_batch",
-            d.global_batch,
-            f"must be divisible by the batch shards of the mesh (data x fsdp = {shards})",
-        )
-    else:
+    # The device-count check (with -1 resolved) is `trn_accum.train.step.check_batch`.
+    fixed = {a: s for a, s in (("data", mesh.data), ("fsdp", mesh.fsdp)) if s != -1}
+    shards = math.prod(fixed.values())
+    axes = " x ".join(f"{a} = {s}" for a, s in fixed.items()) or "none"
+    wild = [a for a in ("data", "fsdp") if getattr(mesh, a) == -1]
+    if wild:
+        axes += f"; mesh.{wild[0]} = -1 multiplies them by the device count"
+    if t.accum_steps != "auto":
         _require(
             t.accum_steps >= 1, "trainer.accum_steps", t.accum_steps, 'must be >= 1, or "auto"'
         )
-        _require(
-            d.global_batch % (t.accum_steps * shards) == 0,
-            "data.global_batch",
-            d.global_batch,
-            f"must be divisible by trainer.accum_steps ({t.accum_steps}) x the batch "
-            f"shards of the mesh (data x fsdp = {shards})",
+    k = 1 if t.accum_steps == "auto" else t.accum_steps
+    error = divisibility_error(d.global_batch, k, shards)
+    if error:
+        raise ConfigError(
+            f"data.global_batch = {d.global_batch}: must be divisible by trainer.accum_steps "
+            f"({t.accum_steps}) x the batch shards of the mesh ({axes}): {error}"
         )
     _require(t.log_every >= 1, "trainer.log_every", t.log_every, "must be >= 1")
     _require(t.eval_every >= 0, "trainer.eval_every", t.eval_every, "must be >= 0 (0 = never)")

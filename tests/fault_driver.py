@@ -1,0 +1,56 @@
+"""Run `trn-accum` with a fault injected through a seam: the test's code, not the trainer's.
+
+    python tests/fault_driver.py KIND=STEP [KIND=STEP ...] -- train --config ... --run-dir ...
+
+KIND:
+- sigterm_after_step: the process sends itself SIGTERM right after step STEP is logged (the
+  real preemption path: the handler sets the flag, the loop saves that step and exits 75);
+- sigkill_after_save_start: SIGKILL right after the background save of step STEP has
+  started, before it commits (a save killed half-way).
+
+The trainer is unchanged: the driver wraps `MetricsLogger.log_train` and `Checkpointer.save`.
+"""
+
+import os
+import signal
+import sys
+
+from trn_accum import cli
+from trn_accum.train.checkpoint import Checkpointer
+from trn_accum.train.metrics import MetricsLogger
+
+
+def _install(kind: str, at: int) -> None:
+    if kind == "sigterm_after_step":
+        log_train = MetricsLogger.log_train
+
+        def logged(self, step, metrics):
+            log_train(self, step, metrics)
+            if step == at:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        MetricsLogger.log_train = logged
+    elif kind == "sigkill_after_save_start":
+        save = Checkpointer.save
+
+        def saving(self, step, state, **kwargs):
+            started = save(self, step, state, **kwargs)
+            if started and int(step) == at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return started
+
+        Checkpointer.save = saving
+    else:
+        raise SystemExit(f"fault_driver: unknown fault {kind!r}")
+
+
+def main(argv: list[str]) -> int:
+    split = argv.index("--")
+    for item in argv[:split]:
+        kind, _, step = item.partition("=")
+        _install(kind, int(step))
+    return cli.main(argv[split + 1 :])
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

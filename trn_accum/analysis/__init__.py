@@ -1,0 +1,1 @@
+"""Analysis of compiled programs: the HLO parser, and the accum-steps search."""

@@ -1,0 +1,141 @@
+"""Per-device memory on paper: exact shard bytes of a sharded tree, and an analytic activation
+estimate of one minibatch of the Fuji step (what the compiled CPU figures are read against).
+
+Functions take shapes, PartitionSpecs and a config object (anything with `.model` and `.data`
+shaped like `trn_accum.train.config.Config`); nothing is compiled.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from trn_accum.core.sharding import spec_axes, valid_steps
+
+GIB = 1024**3
+
+
+def shard_bytes(shape: Sequence[int], dtype, spec: P, mesh_shape: Mapping[str, int]) -> int:
+    """Bytes of one device's shard of an array of `shape` under `spec` on a mesh of that shape
+    (a dimension not divisible by its axes is padded, as XLA does)."""
+    dims = []
+    entries = tuple(spec) + (None,) * (len(shape) - len(spec))
+    for d, entry in zip(shape, entries, strict=True):
+        n = math.prod(mesh_shape.get(a, 1) for a in spec_axes(entry))
+        dims.append(-(-d // n))
+    return math.prod(dims) * jnp.dtype(dtype).itemsize
+
+
+def tree_shard_bytes(abstract, specs, mesh_shape: Mapping[str, int]) -> int:
+    leaves = jax.tree.leaves(abstract)
+    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+    return sum(
+        shard_bytes(a.shape, a.dtype, s, mesh_shape)
+        for a, s in zip(leaves, spec_leaves, strict=True)
+    )
+
+
+def activation_estimate(cfg: Any, rows_per_minibatch: int, model_axis: int) -> dict[str, Any]:
+    """Analytic per-device activation bytes of one minibatch (forward kept for backward).
+
+    t = rows per device group per minibatch x seq tokens (replicated over the `model` axis;
+    heads and FFN hidden split over it), c = compute bytes. Saved per layer: remat "full":
+    the layer input (t·D·c); "save_qkvo": + q, k, v, context (t·(2H+2KV)·Dh/m·c) + o projection
+    (t·D·c); "none": everything a layer makes (+ norms, FFN gate/up/act, attention scores when
+    plain). Plus the working set of one layer recomputed in backward, the logits (float32,
+    vocabulary split over `model`; one chunk when loss_chunk > 0) and the all-gathered bf16
+    weights of one layer and of the embedding (FSDP).
+    """
+    m = cfg.model
+    mp = max(1, model_axis)
+    c = jnp.dtype(m.compute_dtype).itemsize
+    s = cfg.data.seq_len
+    t = rows_per_minibatch * s
+    d, h, kv, dh, f, v = (
+        m.hidden_dim,
+        m.num_heads,
+        m.num_kv_heads,
+        m.head_dim,
+        m.ffn_dim,
+        m.vocab_size,
+    )
+    qkvc = t * (2 * h + 2 * kv) * dh // mp * c
+    if m.attention == "plain":
+        scores = rows_per_minibatch * (h // mp) * s * s * 4 * 2  # scores + probs, float32
+    else:
+        blk = min(m.attention_block, s)
+        scores = rows_per_minibatch * (h // mp) * s * blk * 4 * 2
+    full_layer = t * c * (5 * d) + qkvc + t * c * 3 * f // mp + scores
+    per_layer = {
+        "full": t * d * c,
+        "save_qkvo": t * d * c + qkvc + t * d * c,
+        "none": full_layer,
+    }[m.remat]
+    logit_tokens = t if m.loss_chunk <= 0 else min(t, m.loss_chunk)
+    logits = logit_tokens * (v // mp) * 4 * 2  # logits and their gradient, float32
+    layer_weights = (d * (h + 2 * kv) * dh + h * dh * d + 3 * d * f) // mp * c
+    gathered = 2 * layer_weights + v * d // mp * c
+    saved = per_layer * m.num_layers
+    total = saved + full_layer + logits + gathered
+    return {
+        "tokens_per_device": t,
+        "saved_per_layer": per_layer,
+        "saved_all_layers": saved,
+        "one_layer_recompute": full_layer,
+        "logits": logits,
+        "gathered_weights": gathered,
+        "total": total,
+    }
+
+
+def fit_by_steps(
+    cfg: Any, mesh_per_node: Mapping[str, int], fixed_bytes: int, nodes: int, budget: float
+) -> dict[str, Any]:
+    """Analytic per-device bytes for every valid accum_steps k at `nodes` nodes, and the
+    smallest k that fits `budget` (None if none does).
+
+    fixed_bytes: what does not depend on k (parameters, optimizer state, the float32
+    accumulator and one minibatch's gradient). Per-device state is the same for any node count
+    (nodes replicate over `data`); only the rows per device group change:
+    global_batch / nodes / (data x fsdp per node)."""
+    groups = mesh_per_node.get("data", 1) * mesh_per_node.get("fsdp", 1)
+    b = cfg.data.global_batch
+    if b % nodes or (b // nodes) % groups:
+        return {"nodes": nodes, "rows_per_group": None, "table": [], "accum_steps": None}
+    rows = b // nodes // groups
+    table = []
+    for k in valid_steps(rows, 1):
+        act = activation_estimate(cfg, rows // k, mesh_per_node.get("model", 1))
+        table.append({"k": k, "rows_per_minibatch": rows // k, "bytes": fixed_bytes + act["total"]})
+    fits = [row["k"] for row in table if row["bytes"] <= budget]
+    return {
+        "nodes": nodes,
+        "rows_per_group": rows,
+        "table": table,
+        "accum_steps": min(fits, default=None),
+    }
+
+
+def compiled_memory(compiled) -> dict[str, int] | None:
+    """`compiled.memory_analysis()` per device as {argument, output, alias, temp,
+    generated_code} bytes, or None where the backend reports none."""
+    try:
+        stats = compiled.memory_analysis()
+    except Exception:  # a backend without memory analysis
+        return None
+    if stats is None:
+        return None
+    keys = ("argument", "output", "alias", "temp", "generated_code")
+    return {k: int(getattr(stats, f"{k}_size_in_bytes", 0) or 0) for k in keys}
+
+
+def footprint(mem: Mapping[str, int] | None) -> int | None:
+    """The compiled footprint per device: arguments + outputs - aliased (donated) + temps."""
+    if mem is None:
+        return None
+    return mem["argument"] + mem["output"] - mem["alias"] + mem["temp"]

@@ -1,0 +1,1 @@
+"""Launch: jax.distributed from Slurm / Kubernetes / flags, and the EKS manifests."""

@@ -1,0 +1,273 @@
+"""The Neuron platform, without any Neuron package: detection, the trn2 environment, the PRNG,
+and the trn2 hardware figures. The one home of trn2 facts: every other module reads them here.
+
+Importing this module imports no Neuron package and no JAX (JAX only inside the functions that
+need it) and initialises no backend.
+
+Sources of the figures (AWS Neuron documentation):
+- Trainium2 architecture (about-neuron/arch/neuron-hardware/trainium2): a chip has 8
+  NeuronCore-v3, 96 GiB of HBM and 667 dense BF16 TFLOP/s;
+- Trn2 instances (about-neuron/arch/neuron-hardware/trn2-arch): a trn2.48xlarge has 16 chips;
+- Logical NeuronCore configuration (about-neuron/arch/neuron-features/logical-neuroncore-config):
+  LNC=2 (the trn2 default) makes one logical core of two physical ones, so a trn2.48xlarge
+  shows 64 JAX devices with 24 GiB each; `NEURON_LOGICAL_NC_CONFIG` sets it;
+- JAX NeuronX known issues (frameworks/jax/.../known-issues): Threefry is not fully supported,
+  use `jax_default_prng_impl = "rbg"`;
+- neuronx-cc command-line reference: `--target=trn2 --model-type=transformer
+  --distribution-strategy=llm-training -O1` for transformer training (flags starting
+  `--internal-` are undocumented and refused here).
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.metadata
+import importlib.util
+import os
+import sys
+from collections.abc import Mapping, Sequence
+
+# ---------------------------------------------------------------------- trn2 figures
+
+TRN2_INSTANCE_TYPE = "trn2.48xlarge"
+TRN2_CHIPS_PER_NODE = 16
+TRN2_CORES_PER_CHIP = 8  # physical NeuronCore-v3
+TRN2_PHYSICAL_CORES_PER_NODE = TRN2_CHIPS_PER_NODE * TRN2_CORES_PER_CHIP  # 128
+TRN2_CHIP_PEAK_FLOPS = 667e12  # dense BF16 FLOP/s of one chip
+TRN2_CHIP_HBM_GIB = 96.0
+DEFAULT_LNC = 2  # logical NeuronCore size: physical cores per JAX device
+LNC_VALUES = (1, 2)
+
+#: Documented neuronx-cc flags for transformer training on trn2.
+NEURON_CC_FLAGS = "--target=trn2 --model-type=transformer --distribution-strategy=llm-training -O1"
+DEFAULT_COMPILE_CACHE = "/var/tmp/neuron-compile-cache"
+
+
+def check_lnc(lnc) -> int:
+    """`lnc` as an int; ValueError unless it is 1 or 2 (the logical core sizes of trn2)."""
+    try:
+        value = int(lnc)
+    except (TypeError, ValueError):
+        value = None
+    if value not in LNC_VALUES:
+        raise ValueError(f"lnc={lnc} must be 1 or 2 (logical NeuronCore size on trn2)")
+    return value
+
+
+def devices_per_node(lnc: int = DEFAULT_LNC) -> int:
+    """JAX devices of one trn2.48xlarge: 128 physical cores / LNC (64 at LNC=2)."""
+    return TRN2_PHYSICAL_CORES_PER_NODE // check_lnc(lnc)
+
+
+def device_memory_gib(lnc: int = DEFAULT_LNC) -> float:
+    """HBM of one JAX device: 96 GiB per chip shared by 8 / LNC devices (24 GiB at LNC=2)."""
+    return TRN2_CHIP_HBM_GIB * check_lnc(lnc) / TRN2_CORES_PER_CHIP
+
+
+def device_peak_flops(lnc: int = DEFAULT_LNC) -> float:
+    """Dense BF16 FLOP/s of one JAX device: 667e12 * LNC / 8 (166.75e12 at LNC=2)."""
+    return TRN2_CHIP_PEAK_FLOPS * check_lnc(lnc) / TRN2_CORES_PER_CHIP
+
+
+#: The per-device memory budget the fit checks use (trn2 at the default LNC).
+DEVICE_BUDGET_GIB = device_memory_gib(DEFAULT_LNC)
+
+
+# ---------------------------------------------------------------------- detection
+
+
+def neuron_plugin_installed() -> bool:
+    """Whether a Neuron PJRT plugin for JAX is installed (nothing is imported or initialised).
+
+    Looks for a ``jax_plugins`` entry point or ``jax_plugins.*`` module naming neuron, or the
+    ``libneuronxla`` distribution at a real version (the PyPI placeholder of that name is
+    version 0.x and raises on import; the real one is on the AWS Neuron pip repository).
+    """
+    try:
+        for ep in importlib.metadata.entry_points(group="jax_plugins"):
+            if "neuron" in ep.name.lower() or "neuron" in ep.value.lower():
+                return True
+    except Exception:  # malformed metadata of some unrelated distribution
+        pass
+    spec = importlib.util.find_spec("jax_plugins")
+    if spec is not None and spec.submodule_search_locations:
+        for loc in spec.submodule_search_locations:
+            if glob.glob(os.path.join(loc, "*neuron*")):
+                return True
+    try:
+        version = importlib.metadata.version("libneuronxla")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return not version.startswith("0.")
+
+
+def _initialised_backends() -> dict | None:
+    """JAX's already-initialised backends, or None if JAX has not initialised any yet."""
+    if "jax" not in sys.modules:
+        return None
+    try:
+        from jax._src import xla_bridge
+
+        backends = getattr(xla_bridge, "_backends", None)
+        return dict(backends) if backends else None
+    except Exception:
+        return None
+
+
+def neuron_available() -> bool:
+    """Whether JAX can (or does) use the ``neuron`` platform in this process.
+
+    If JAX already initialised its backends, answer from them. Otherwise, without initialising
+    anything: the plugin is installed, Neuron devices exist (``/dev/neuron*``) and
+    ``JAX_PLATFORMS`` (if set) allows ``neuron``.
+    """
+    backends = _initialised_backends()
+    if backends is not None:
+        return "neuron" in backends
+    platforms = os.environ.get("JAX_PLATFORMS", "").strip()
+    if platforms and "neuron" not in [p.strip() for p in platforms.split(",")]:
+        return False
+    return neuron_plugin_installed() and bool(glob.glob("/dev/neuron[0-9]*"))
+
+
+def current_platform() -> str:
+    """``jax.default_backend()`` ("cpu", "neuron", ...). This initialises JAX's backends."""
+    import jax
+
+    return jax.default_backend()
+
+
+# ---------------------------------------------------------------------- environment
+
+
+def neuron_env(
+    lnc: int = DEFAULT_LNC,
+    *,
+    compile_cache: str | None = DEFAULT_COMPILE_CACHE,
+    extra_cc_flags: Sequence[str] = (),
+    efa: bool = True,
+    root_comm_id: str | None = None,
+    visible_cores: str | None = None,
+) -> dict[str, str]:
+    """The Neuron compiler/runtime variables of a trn2 training process (before JAX starts).
+
+    Args:
+      lnc: logical NeuronCore size, 1 or 2 (2 = default: 64 JAX devices per trn2.48xlarge).
+      compile_cache: NEURON_COMPILE_CACHE_URL (a local path or s3://...); None to leave unset.
+      extra_cc_flags: appended to NEURON_CC_FLAGS; undocumented ``--internal-*`` flags rejected.
+      efa: set ``FI_PROVIDER=efa FI_EFA_USE_DEVICE_RDMA=1`` for multi-node collectives.
+      root_comm_id: NEURON_RT_ROOT_COMM_ID (``host:port`` of rank 0), needed with collectives
+        across processes; `trn_accum.cluster.distributed` derives it from the launcher.
+      visible_cores: NEURON_RT_VISIBLE_CORES (e.g. "0-63"), to restrict this process's cores.
+
+    ``NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS`` is deprecated from SDK 2.31 and not set.
+    """
+    lnc = check_lnc(lnc)
+    flags = NEURON_CC_FLAGS.split()
+    for f in extra_cc_flags:
+        if f.startswith("--internal-"):
+            raise ValueError(
+                f"compiler flag {f} is undocumented (--internal-*): use documented neuronx-cc flags"
+            )
+        flags.append(f)
+    env = {
+        "NEURON_CC_FLAGS": " ".join(flags),
+        "NEURON_LOGICAL_NC_CONFIG": str(lnc),
+        "NEURON_RUN_TRIVIAL_COMPUTATION_ON_CPU": "1",
+    }
+    if compile_cache:
+        env["NEURON_COMPILE_CACHE_URL"] = compile_cache
+    if efa:
+        env["FI_PROVIDER"] = "efa"
+        env["FI_EFA_USE_DEVICE_RDMA"] = "1"
+    if root_comm_id:
+        env["NEURON_RT_ROOT_COMM_ID"] = root_comm_id
+    if visible_cores:
+        env["NEURON_RT_VISIBLE_CORES"] = visible_cores
+    return env
+
+
+def _kernel_older_than(release: str, major: int, minor: int) -> bool:
+    parts = release.split(".")
+    try:
+        return (int(parts[0]), int(parts[1].split("-")[0])) < (major, minor)
+    except (IndexError, ValueError):
+        return False
+
+
+def trn2_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Everything a trn2 job exports before `trn-accum train` starts: the Neuron variables of
+    `neuron_env`, `JAX_PLATFORMS=neuron,cpu`, and the compile caches on shared storage. A value
+    already in `environ` (default `os.environ`) wins, so any of them can be overridden.
+
+    `trn-accum neuron-env` prints this as shell `export` lines; `launch/env/trn2.sh` (Slurm and
+    the EKS pods) evaluates them, and `trn_accum.cluster.distributed.initialize` applies the
+    same values on Neuron, so the three cannot drift apart. Shared storage:
+    `TRN_ACCUM_SHARED_DIR` (default `$SLURM_SUBMIT_DIR/runs`, else `./runs`), caches under
+    `TRN_ACCUM_CACHE_DIR` (default `<shared>/cache`): `NEURON_COMPILE_CACHE_URL` =
+    `<cache>/neuron` (a path or s3://...), `JAX_COMPILATION_CACHE_DIR` = `<cache>/jax`.
+    `FI_EFA_FORK_SAFE=1` only on kernels older than 5.15 (EFA docs).
+    """
+    env = dict(os.environ if environ is None else environ)
+    out: dict[str, str] = {}
+
+    def keep(key: str, default: str) -> str:
+        out[key] = env.get(key) or default
+        return out[key]
+
+    base = env.get("SLURM_SUBMIT_DIR") or os.getcwd()
+    shared = keep("TRN_ACCUM_SHARED_DIR", os.path.join(base, "runs"))
+    cache = keep("TRN_ACCUM_CACHE_DIR", os.path.join(shared, "cache"))
+    keep("JAX_PLATFORMS", "neuron,cpu")
+    lnc = env.get("NEURON_LOGICAL_NC_CONFIG") or str(DEFAULT_LNC)
+    for key, value in neuron_env(check_lnc(lnc), compile_cache=None).items():
+        keep(key, value)
+    keep("NEURON_COMPILE_CACHE_URL", os.path.join(cache, "neuron"))
+    keep("JAX_COMPILATION_CACHE_DIR", os.path.join(cache, "jax"))
+    if env.get("FI_EFA_FORK_SAFE"):
+        out["FI_EFA_FORK_SAFE"] = env["FI_EFA_FORK_SAFE"]
+    elif _kernel_older_than(os.uname().release, 5, 15):
+        out["FI_EFA_FORK_SAFE"] = "1"
+    return out
+
+
+def apply_env(env: Mapping[str, str], *, overwrite: bool = False) -> dict[str, str]:
+    """Set `env` in ``os.environ``; values the user already set win unless `overwrite`.
+
+    Returns what was set. Call before JAX initialises its backends.
+    """
+    applied = {}
+    for k, v in env.items():
+        if overwrite or k not in os.environ:
+            os.environ[k] = v
+            applied[k] = v
+    return applied
+
+
+def configure_prng(platform: str | None = None) -> str:
+    """Select the PRNG for `platform` (default: "neuron" if ``neuron_available()``) and return
+    JAX's default PRNG implementation name afterwards.
+
+    On Neuron: ``rbg`` (Threefry is not fully supported there: JAX NeuronX known issues).
+    Elsewhere the current setting is left alone (``threefry2x32`` unless the user changed it).
+    """
+    import jax
+
+    if platform is None:
+        platform = "neuron" if neuron_available() else "other"
+    if platform == "neuron":
+        jax.config.update("jax_default_prng_impl", "rbg")
+    return str(jax.config.jax_default_prng_impl)
+
+
+def peak_flops_per_device(platform: str | None = None, lnc: int | None = None) -> float | None:
+    """Dense BF16 peak FLOP/s of one JAX device (`device_peak_flops`), or None when unknown
+    (CPU, GPU, ...). `platform` None = ``jax.default_backend()`` (initialises JAX's backends);
+    "neuron" or "trn2" count; `lnc` None = ``NEURON_LOGICAL_NC_CONFIG``, else 2."""
+    if platform is None:
+        platform = current_platform()
+    if platform.lower() not in ("neuron", "trn2"):
+        return None
+    if lnc is None:
+        lnc = os.environ.get("NEURON_LOGICAL_NC_CONFIG") or DEFAULT_LNC
+    return device_peak_flops(lnc)

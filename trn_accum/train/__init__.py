@@ -1,0 +1,1 @@
+"""The trainer: config, the compiled step, the loop, data, checkpoints, optimizer, metrics."""

@@ -1,0 +1,189 @@
+"""`trainer.accum_steps = "auto"`: the smallest k whose compiled train step fits the budget.
+
+The search is `trn_accum.analysis.autotune.autotune` (a binary search over the valid k); the
+measure here compiles the real step (`trn_accum.train.step.build_step`, abstract state and
+batch, as `trn-accum dry-run` does) and takes what the dry-run reports as the compiled
+footprint: `memory_analysis()` arguments + outputs - aliased (donated state) + temporaries.
+When compiling at full depth is slow (unrolled layers), it compiles at two reduced depths and
+extrapolates linearly in the layer count (`trn_accum.analysis.autotune.extrapolate`).
+
+Measured on the tiny Fuji (8 CPU devices, k=2), from 2 and 4 layers to 8: 3.8% above the
+compiled figure with scanned layers, 1.1% below with unrolled ones. Depth 1 is not used: a
+one-step layer scan compiles without its loop and breaks the line.
+
+CPU figures are a proxy for trn2 (XLA:CPU computes bf16 dots in float32): on CPU the budget
+(`trainer.memory_budget_gib`) is whatever the user sets; on trn2 it is the HBM of one logical
+core (`trn_accum.neuron.platform.DEVICE_BUDGET_GIB`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from trn_accum.analysis.autotune import (
+    GIB,
+    AutotuneError,
+    AutotuneResult,
+    autotune,
+    candidate_steps,
+    extrapolate,
+)
+from trn_accum.analysis.memory import compiled_memory, footprint
+from trn_accum.neuron.platform import DEVICE_BUDGET_GIB
+from trn_accum.train import step as step_lib
+
+DEFAULT_DEPTHS = (2, 4)
+FULL_DEPTH_LIMIT_S = 30.0  # predicted seconds per full-depth compile above which we extrapolate
+DEPTH_MODES = ("auto", "full", "extrapolate")
+
+
+# (config with k and depth set, mesh, batch rows) -> (bytes, compile seconds). Compiles are
+# deterministic: a dry-run followed by training in one process, or a test that measures a
+# candidate itself, does not compile it twice.
+_CACHE: dict[tuple, tuple[int, float]] = {}
+
+
+def _compile_step_bytes(cfg, mesh, batch_rows: int) -> tuple[int, float]:
+    """Compile the train step of `cfg` on `mesh` for a batch of `batch_rows` rows (abstract
+    state and batch, as the dry-run) -> (bytes per device, seconds)."""
+    key = (cfg, mesh, batch_rows)
+    if key in _CACHE:
+        return _CACHE[key]
+    t0 = time.perf_counter()
+    compiled = step_lib.build_step(cfg, mesh, batch_rows=batch_rows).compiled
+    total = footprint(compiled_memory(compiled))
+    if total is None:
+        raise AutotuneError(
+            f"accum_steps = auto: the {jax.default_backend()} backend reports no compiled memory; "
+            "pick k with `trn-accum dry-run` on CPU and set trainer.accum_steps=K"
+        )
+    out = (total, time.perf_counter() - t0)
+    _CACHE[key] = out
+    return out
+
+
+class CompiledMemory:
+    """`measure(k) -> bytes per device` of the real train step with accum_steps = k.
+
+    cfg: a `trn_accum.config.Config`; mesh: the mesh the step runs on; batch_rows: the rows of
+    the compiled batch (default `cfg.data.global_batch`; the dry-run passes one node's rows).
+    depth: "full" (compile num_layers), "extrapolate" (compile at `depths` and fit a line), or
+    "auto": compile the first k at both reduced depths, predict the full-depth compile time
+    from their times (linear in depth), and compile at full depth if that is at most
+    `full_depth_limit_s`, else extrapolate for every k. Models no deeper than max(depths)
+    always compile at full depth. `details[k]` records the depths compiled and the seconds.
+    """
+
+    def __init__(
+        self,
+        cfg,
+        mesh,
+        *,
+        batch_rows: int | None = None,
+        depth: str = "auto",
+        depths: tuple[int, int] = DEFAULT_DEPTHS,
+        full_depth_limit_s: float = FULL_DEPTH_LIMIT_S,
+    ):
+        if depth not in DEPTH_MODES:
+            raise ValueError(f"depth={depth!r} must be one of {DEPTH_MODES}")
+        l1, l2 = sorted(depths)
+        if not 1 <= l1 < l2:
+            raise ValueError(f"depths={depths!r} must be two different layer counts >= 1")
+        self.cfg = cfg
+        self.mesh = mesh
+        self.batch_rows = cfg.data.global_batch if batch_rows is None else int(batch_rows)
+        self.depths = (l1, l2)
+        self.limit_s = float(full_depth_limit_s)
+        self.layers = cfg.model.num_layers
+        self.mode = "full" if self.layers <= l2 else depth
+        self.details: dict[int, dict[str, Any]] = {}
+        self.predicted_full_s: float | None = None
+
+    @property
+    def method(self) -> str:
+        if self.mode == "extrapolate":
+            l1, l2 = self.depths
+            return (
+                f"compiled at {l1} and {l2} layers, extrapolated linearly to {self.layers} "
+                "(arguments + outputs - aliased + temporaries)"
+            )
+        return (
+            f"compiled at full depth, {self.layers} layers "
+            "(arguments + outputs - aliased + temporaries)"
+        )
+
+    def _at(self, k: int, layers: int) -> tuple[int, float]:
+        # The budget does not change the program: normalise it so the compile cache hits.
+        trainer = dataclasses.replace(
+            self.cfg.trainer, accum_steps=k, memory_budget_gib=DEVICE_BUDGET_GIB
+        )
+        model = dataclasses.replace(self.cfg.model, num_layers=layers)
+        cfg = dataclasses.replace(self.cfg, trainer=trainer, model=model)
+        return _compile_step_bytes(cfg, self.mesh, self.batch_rows)
+
+    def __call__(self, k: int) -> int:
+        compiled: dict[int, int] = {}
+        seconds = 0.0
+        if self.mode in ("auto", "extrapolate"):
+            times = {}
+            for layers in self.depths:
+                compiled[layers], times[layers] = self._at(k, layers)
+                seconds += times[layers]
+            if self.mode == "auto":
+                l1, l2 = self.depths
+                per_layer = max(0.0, times[l2] - times[l1]) / (l2 - l1)
+                self.predicted_full_s = times[l2] + per_layer * (self.layers - l2)
+                self.mode = "full" if self.predicted_full_s <= self.limit_s else "extrapolate"
+        if self.mode == "full":
+            b, s = self._at(k, self.layers)
+            compiled[self.layers], seconds = b, seconds + s
+            total = b
+        else:
+            total = extrapolate(compiled, self.layers)
+        self.details[k] = {
+            "bytes": total,
+            "compiled_depths": {str(d): b for d, b in sorted(compiled.items())},
+            "compile_s": round(seconds, 2),
+        }
+        return total
+
+
+# ---------------------------------------------------------------------------------------------
+# Config level
+
+
+def resolve_accum_steps(
+    cfg,
+    mesh,
+    *,
+    batch_rows: int | None = None,
+    measure: Callable[[int], int] | None = None,
+    depth: str = "auto",
+) -> tuple[Any, AutotuneResult | None]:
+    """(cfg with trainer.accum_steps an int, the AutotuneResult or None if k was given).
+
+    batch_rows: rows of the batch the step compiles for (default cfg.data.global_batch; one
+    node's rows in a dry-run). The budget is cfg.trainer.memory_budget_gib per device; the
+    batch shards are the mesh's data x fsdp. `measure` defaults to `CompiledMemory`.
+    """
+    if cfg.trainer.accum_steps != "auto":
+        return cfg, None
+    rows = cfg.data.global_batch if batch_rows is None else int(batch_rows)
+    shards = step_lib.batch_shards(mesh)
+    cands = candidate_steps(rows, shards)
+    if measure is None:
+        measure = CompiledMemory(cfg, mesh, batch_rows=rows, depth=depth)
+    budget = cfg.trainer.memory_budget_gib * GIB
+    result = autotune(
+        cands,
+        measure,
+        budget,
+        context=f"batch {rows} rows over {shards} batch shards (data x fsdp)",
+    )
+    trainer = dataclasses.replace(cfg.trainer, accum_steps=result.accum_steps)
+    return dataclasses.replace(cfg, trainer=trainer), result

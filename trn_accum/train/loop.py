@@ -1,0 +1,271 @@
+"""The training run: `run(config, run_dir)` trains or resumes, saves on preemption, logs.
+
+    trainer = Trainer.build(cfg)           # mesh, accum_steps, the compiled step, the data
+    state = trainer.init()                 # or restored from the newest checkpoint
+    state, metrics = trainer.program.compiled(state, trainer.batch(i))
+
+The batch of step s depends only on (data seed, s): a resumed run sees the batches it would
+have seen, so resuming from a checkpoint reproduces an uninterrupted run bit for bit.
+SIGTERM/SIGINT set a flag (`trn_accum.train.checkpoint.Preemption`); all processes agree on a
+step, save it, and exit `EXIT_PREEMPTED`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+from trn_accum.cluster import distributed
+from trn_accum.errors import EXIT_PREEMPTED
+from trn_accum.model import fuji
+from trn_accum.neuron import platform
+from trn_accum.train import autok, step
+from trn_accum.train import data as data_lib
+from trn_accum.train.checkpoint import Checkpointer, Preemption, make_writable_dir
+from trn_accum.train.config import Config, config_to_dict, load_config
+from trn_accum.train.metrics import MetricsLogger, truncate_metrics
+
+
+def resolve_accum_steps(cfg: Config, mesh: jax.sharding.Mesh) -> tuple[Config, Any]:
+    """(cfg with trainer.accum_steps = "auto" replaced by the smallest k whose compiled step fits
+    trainer.memory_budget_gib per device, the AutotuneResult); (cfg, None) when k is given."""
+    # Every process must pick the same k: compiled bytes agree everywhere, a choice of depth
+    # by measured compile time ("auto") might not.
+    depth = "auto" if jax.process_count() == 1 else "extrapolate"
+    return autok.resolve_accum_steps(cfg, mesh, depth=depth)
+
+
+@dataclasses.dataclass
+class Trainer:
+    """Everything built from a config on the current devices."""
+
+    program: step.StepProgram  # the compiled train step and its shardings
+    eval_fn: Any
+    dataset: Any
+    autotune: Any = None  # the AutotuneResult when trainer.accum_steps was "auto"
+
+    @property
+    def cfg(self) -> Config:
+        return self.program.cfg
+
+    @property
+    def mesh(self) -> jax.sharding.Mesh:
+        return self.program.mesh
+
+    @property
+    def state_shardings(self) -> dict:
+        return self.program.state_shardings
+
+    @classmethod
+    def build(cls, cfg: Config, devices=None) -> Trainer:
+        step.check_attention(cfg)
+        mesh = step.make_mesh(cfg, devices)
+        cfg, tuned = resolve_accum_steps(cfg, mesh)
+        program = step.build_step(cfg, mesh)
+        dataset = data_lib.make_dataset(
+            cfg.data.kind,
+            seq_len=cfg.data.seq_len,
+            batch_size=cfg.data.global_batch,
+            vocab_size=cfg.model.vocab_size,
+            seed=cfg.data.seed,
+            path=cfg.data.path or None,
+            max_seq_len=cfg.model.max_seq_len,
+        )
+        return cls(
+            program=program,
+            eval_fn=step.make_eval_step(cfg, mesh, program.state_shardings["params"]),
+            dataset=dataset,
+            autotune=tuned,
+        )
+
+    @functools.cached_property
+    def _init_fn(self):
+        seed = self.cfg.trainer.seed
+        return jax.jit(
+            lambda: step.init_state(self.cfg, self.program.tx, jax.random.key(seed)),
+            out_shardings=self.state_shardings,
+        )
+
+    def init(self) -> dict:
+        """A fresh state (params from trainer.seed), created directly in its shardings."""
+        with jax.set_mesh(self.mesh):
+            return self._init_fn()
+
+    def batch(self, index: int, split: str = "train") -> dict:
+        """The global batch of step `index` (0-based), each process building only its rows."""
+        return data_lib.global_batch(
+            self.dataset, index, self.cfg.data.global_batch, step.batch_sharding(self.mesh), split
+        )
+
+    def step(self, state: dict, batch: dict):
+        """One optimizer step: (state, batch) -> (new state, metrics); `state` is donated."""
+        return self.program.compiled(state, batch)
+
+    def restore_target(self) -> dict:
+        """The state as ShapeDtypeStructs with this mesh's shardings (orbax restores into it)."""
+        return step.restore_target(self.program.abstract, self.state_shardings)
+
+    def evaluate(self, params) -> float:
+        """Mean loss over target tokens of the `data.eval_batches` held-out batches 0..n-1."""
+        total = count = 0.0
+        for i in range(self.cfg.data.eval_batches):
+            with jax.set_mesh(self.mesh):
+                t, c = self.eval_fn(params, self.batch(i, "eval"))
+            total += float(t)
+            count += float(c)
+        return total / count if count else 0.0
+
+
+def _prepare_run_dir(run_dir: str) -> None:
+    try:
+        make_writable_dir(run_dir)
+    except OSError as e:
+        raise step.TrainError(
+            f"run dir {run_dir!r} is not writable ({e.strerror}): pass --run-dir with a "
+            f"writable directory"
+        ) from None
+
+
+def run(
+    config_path: str,
+    *,
+    overrides: Sequence[str] = (),
+    run_dir: str,
+    profile: tuple[int, int] | None = None,
+    console=None,
+) -> int:
+    """Train (or resume) the run in `run_dir`. Returns 0, or EXIT_PREEMPTED after a save.
+
+    `run_dir` holds `checkpoints/` (orbax; the newest committed one is resumed automatically),
+    `metrics.jsonl`, `config.json` and, with `profile=(start, stop)`, `profile/` (a
+    jax.profiler trace of the steps numbered start..stop-1, numbered as logged: from 1).
+    """
+    cfg = load_config(config_path, overrides)
+    # jax.distributed first: in a multi-process run it installs JAX's own SIGTERM notifier,
+    # which would replace our handler if it came after it (then SIGTERM saves nothing).
+    distributed.initialize()  # Slurm / Kubernetes / explicit env; the Neuron env on trn2
+    # SIGTERM/SIGINT only set a flag from here on (restore and compile can take minutes on
+    # trn2); the loop turns it into a save and EXIT_PREEMPTED.
+    with Preemption() as pre:
+        return _run(cfg, pre, run_dir=run_dir, profile=profile, console=console)
+
+
+def _run(cfg: Config, pre, *, run_dir: str, profile, console) -> int:
+    _prepare_run_dir(run_dir)
+    trainer = Trainer.build(cfg)
+    cfg = trainer.cfg  # accum_steps = "auto" resolved
+    main = jax.process_index() == 0
+    total = cfg.trainer.steps
+
+    with Checkpointer(
+        os.path.join(run_dir, "checkpoints"),
+        save_every=cfg.checkpoint.every,
+        keep=cfg.checkpoint.keep,
+    ) as ckpt:
+        latest = ckpt.latest_step()
+        if latest is not None:
+            state, _ = ckpt.restore(trainer.restore_target())
+            start = int(state["step"])
+        else:
+            state, start = trainer.init(), 0
+        if main and start < total:
+            truncate_metrics(run_dir, start)
+            with open(os.path.join(run_dir, "config.json"), "w", encoding="utf-8") as f:
+                json.dump(config_to_dict(cfg), f, indent=2)
+        with MetricsLogger(
+            run_dir,
+            total_steps=total,
+            log_every=cfg.trainer.log_every,
+            enabled=main,
+            console=console,
+        ) as logger:
+            if trainer.autotune is not None:
+                logger.message(trainer.autotune.format())
+            if latest is not None:
+                logger.message(f"resumed from {ckpt.step_path(latest)} (step {start})")
+            if start >= total:
+                logger.message(f"already at step {start} of {total}: nothing to do")
+                return 0
+            logger.message(
+                f"training {fuji.num_params(cfg.model):,} parameters on {jax.device_count()} "
+                f"{jax.default_backend()} devices, mesh {dict(trainer.mesh.shape)}, batch "
+                f"{cfg.data.global_batch} x {cfg.data.seq_len} in {cfg.trainer.accum_steps} "
+                f"minibatches, steps {start + 1}..{total}"
+            )
+            return _loop(trainer, state, start, ckpt, logger, run_dir, profile, pre)
+
+
+def _loop(trainer: Trainer, state, start: int, ckpt, logger, run_dir: str, profile, pre) -> int:
+    cfg = trainer.cfg
+    total = cfg.trainer.steps
+    flops = step.flops_per_step(cfg)["total"]
+    peak = platform.peak_flops_per_device()
+    n_dev = jax.device_count()
+    tokens = cfg.data.global_batch * cfg.data.seq_len
+    meta = {"config": config_to_dict(cfg)}
+
+    t0 = time.perf_counter()
+    compiled = trainer.program.compiled
+    logger.message(f"compiled the train step in {time.perf_counter() - t0:.1f} s")
+    batch = trainer.batch(start)
+    if pre.should_stop(start):  # signalled before the first step: the checkpoint is current
+        logger.message(
+            f"preempted (signal {pre.received}) before step {start + 1}: nothing new to save; "
+            f"exit {EXIT_PREEMPTED}"
+        )
+        return EXIT_PREEMPTED
+
+    tracing = False
+    t_prev = time.perf_counter()
+    for s in range(start, total):
+        if profile and s + 1 == profile[0]:  # profile = (START, STOP) in logged step numbers
+            jax.profiler.start_trace(os.path.join(run_dir, "profile"))
+            tracing = True
+        state, m = compiled(state, batch)
+        done = s + 1
+        if done < total:
+            batch = trainer.batch(done)  # host work while the device runs the step
+        m = jax.device_get(m)
+        now = time.perf_counter()
+        dt = now - t_prev
+        if tracing and (done + 1 >= profile[1] or done == total):
+            jax.profiler.stop_trace()
+            tracing = False
+        record = {
+            "loss": float(m["loss"]),
+            "grad_norm": float(m["grad_norm"]),
+            "lr": float(m["lr"]),
+            "tokens_per_s": tokens / dt,
+            "step_time_s": dt,
+            "skipped_steps": int(m["skipped_steps"]),
+            "target_tokens": float(m["target_tokens"]),
+        }
+        if peak:
+            record["mfu"] = flops / dt / (peak * n_dev)
+        logger.log_train(done, record)
+        if cfg.trainer.eval_every and done % cfg.trainer.eval_every == 0:
+            logger.log_eval(done, {"eval_loss": trainer.evaluate(state["params"])})
+        if pre.should_stop(done):
+            ckpt.save(done, state, metadata=meta, force=True)
+            ckpt.wait_until_finished()
+            logger.message(
+                f"preempted (signal {pre.received}): saved {ckpt.step_path(done)}; exit "
+                f"{EXIT_PREEMPTED}, run the same command again to resume"
+            )
+            return EXIT_PREEMPTED
+        if done < total:
+            ckpt.save(done, state, metadata=meta)
+        t_prev = time.perf_counter()  # eval and checkpoint time is not step time
+    if tracing:
+        jax.profiler.stop_trace()
+    ckpt.save(total, state, metadata=meta, force=True)
+    ckpt.wait_until_finished()
+    logger.message(f"done: step {total}, checkpoint {ckpt.step_path(total)}")
+    return 0
