@@ -245,51 +245,29 @@ def to_yaml(docs: Sequence[dict], header: str = "") -> str:
     return head + body
 
 
-def render_eks(
-    nodes: int,
-    image: str,
-    config: str = DEFAULT_CONFIG,
-    *,
-    name: str = DEFAULT_NAME,
-    namespace: str = "default",
-    pvc: str = DEFAULT_PVC,
-    run_dir: str | None = None,
-    train_args: Sequence[str] = (),
-    max_restarts: int = 3,
-    scheduler_name: str | None = None,
-    shm_size: str = "64Gi",
-    grace_seconds: int = 120,
-    workdir: str = DEFAULT_WORKDIR,
-) -> str:
+def render_eks(nodes: int, image: str, config: str = DEFAULT_CONFIG, **options: Any) -> str:
     """Multi-document YAML: the headless Service and the Indexed Job for `nodes` trn2 nodes.
 
     nodes: trn2.48xlarge nodes = pods = jax.distributed processes (64 devices each).
     image: the `neuron` stage of the Dockerfile, pushed to a registry the cluster can pull from.
     config: a config path inside the image (relative to `workdir`, the repository).
-    name: Job and Service name (pod DNS names `<name>-<i>.<name>`); namespace: theirs.
-    pvc: a PersistentVolumeClaim on a shared file system (e.g. FSx for Lustre, ReadWriteMany),
-      mounted at /checkpoints on every pod: checkpoints, metrics and compile caches.
-    run_dir: default /checkpoints/<name>; a re-applied Job resumes from its newest checkpoint.
-    train_args: extra `trn-accum train` arguments, e.g. ("--set", "trainer.accum_steps=32").
-    max_restarts: whole-job restarts after crashes (backoffLimit = nodes x max_restarts).
-    scheduler_name: e.g. the Neuron scheduler extension's scheduler, if installed as a
-      separate scheduler (default: the cluster's default scheduler).
+    options: those of `manifests`: name (Job and Service name; pod DNS names
+      `<name>-<i>.<name>`), namespace, pvc (a PersistentVolumeClaim on a shared file system,
+      e.g. FSx for Lustre, ReadWriteMany, mounted at /checkpoints on every pod: checkpoints,
+      metrics and compile caches), run_dir (default /checkpoints/<name>; a re-applied Job
+      resumes from its newest checkpoint), train_args (extra `trn-accum train` arguments, e.g.
+      ("--set", "trainer.accum_steps=32")), max_restarts (whole-job restarts after crashes:
+      backoffLimit = nodes x max_restarts), scheduler_name (e.g. the Neuron scheduler
+      extension's, if installed as a separate scheduler), shm_size, grace_seconds, workdir.
     """
-    docs = manifests(
-        nodes,
-        image,
-        config,
-        name=name,
-        namespace=namespace,
-        pvc=pvc,
-        run_dir=run_dir,
-        train_args=train_args,
-        max_restarts=max_restarts,
-        scheduler_name=scheduler_name,
-        shm_size=shm_size,
-        grace_seconds=grace_seconds,
-        workdir=workdir,
-    )
+    docs = manifests(nodes, image, config, **options)
+    name = options.get("name", DEFAULT_NAME)
+    namespace = options.get("namespace", "default")
+    pvc = options.get("pvc", DEFAULT_PVC)
+    run_dir = options.get("run_dir")
+    train_args = options.get("train_args", ())
+    max_restarts = options.get("max_restarts", 3)
+    scheduler_name = options.get("scheduler_name")
     cmd = ["trn-accum", "render-eks", "--nodes", str(nodes), "--image", image]
     if config != DEFAULT_CONFIG:
         cmd += ["--config", config]

@@ -1,0 +1,132 @@
+"""The layout is the architecture: imports run one way, no cycles, modules stay small.
+
+Every `import trn_accum...` in the package is read with `ast` (function-level imports too), and
+the graph is checked against the layers of docs/design.md:
+
+    errors  <-  core  <-  model  <-  train  <-  cli
+                  neuron/, analysis/, cluster/ beside, never importing train, cli or model
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parents[1] / "trn_accum"
+
+# package room -> rooms it may import (itself always allowed)
+ALLOWED = {
+    "errors": set(),
+    "core": set(),  # JAX only
+    "neuron": {"errors", "analysis"},  # preflight reads the HLO parser
+    "analysis": {"errors", "core", "neuron"},  # steptime reads neuron.platform figures
+    "model": {"errors", "core", "neuron"},  # the NKI adapter lives in neuron/kernels.py
+    "cluster": {"errors", "neuron"},
+    "train": {"errors", "core", "model", "neuron", "analysis", "cluster"},
+    "cli": {"errors", "core", "model", "neuron", "analysis", "cluster", "train"},
+    "__init__": {"core"},
+}
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(PKG.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _imports() -> dict[str, set[str]]:
+    """module -> trn_accum modules it imports (anywhere in the file)."""
+    graph = {}
+    modules = {_module_name(p) for p in PKG.rglob("*.py")}
+    for path in PKG.rglob("*.py"):
+        name = _module_name(path)
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                # `from trn_accum.x import y`: y is a submodule of x, or a name defined in x
+                targets = [
+                    f"{node.module}.{a.name}"
+                    if f"{node.module}.{a.name}" in modules
+                    else node.module
+                    for a in node.names
+                ]
+            else:
+                continue
+            for t in targets:
+                while t and t not in modules:
+                    t = t.rpartition(".")[0]
+                if t and t.startswith("trn_accum") and t != name:
+                    deps.add(t)
+        graph[name] = deps
+    return graph
+
+
+def _room(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "__init__"
+    return parts[1]
+
+
+GRAPH = _imports()
+
+
+def test_no_import_cycles():
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def visit(m):
+        state[m] = 1
+        path.append(m)
+        for d in sorted(GRAPH.get(m, ())):
+            if state.get(d) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(path[path.index(d) :] + [d]))
+            if not state.get(d):
+                visit(d)
+        path.pop()
+        state[m] = 2
+
+    for m in sorted(GRAPH):
+        if not state.get(m):
+            visit(m)
+
+
+@pytest.mark.parametrize("module", sorted(GRAPH))
+def test_imports_run_one_way(module):
+    room = _room(module)
+    bad = sorted(
+        d for d in GRAPH[module] if _room(d) != room and _room(d) not in ALLOWED[room] | {room}
+    )
+    assert not bad, f"{module} ({room}/) imports {bad}; allowed rooms: {sorted(ALLOWED[room])}"
+
+
+def test_core_imports_only_jax_numpy_and_stdlib():
+    import sys
+
+    allowed = {"jax", "numpy", "trn_accum"} | set(sys.stdlib_module_names)
+    for path in (PKG / "core").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                tops = [a.name.split(".")[0] for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                tops = [node.module.split(".")[0]]
+            else:
+                continue
+            assert set(tops) <= allowed, (path.name, tops)
+
+
+@pytest.mark.parametrize("path", sorted(PKG.rglob("*.py")), ids=lambda p: str(p.relative_to(PKG)))
+def test_modules_stay_under_500_lines(path):
+    n = len(path.read_text().splitlines())
+    assert n <= 500, f"{path.relative_to(PKG.parent)} has {n} lines: split it by concept"
+
+
+def test_accumulate_gradients_fits_on_a_screen():
+    from trn_accum.core import accumulate
+
+    n = len(Path(accumulate.__file__).read_text().splitlines())
+    assert n <= 300, f"core/accumulate.py has {n} lines (the core idea fits in 300)"
