@@ -14,6 +14,8 @@ Unnamed leaves take the default: scalars -> "mean" (with an `AuxReductionWarning
 since a count or a max would need another reduction), leaves whose axis 0 follows the batch
 size -> "concat" (checked by tracing `loss_fn`'s shapes on the full batch too: a leaf whose
 axis 0 only happens to equal B/k is an error, not stitched), anything else -> ValueError.
+Naming a leaf None (in a dict, or from a callable) asks for its default without the warning.
+Warnings are Python warnings raised while tracing: nothing of this is in the compiled program.
 
 Imports JAX (and numpy/stdlib) only.
 """
@@ -134,7 +136,7 @@ def choose_reductions(
         if not full:
             try:
                 full.append(jax.tree.leaves(full_batch_aux()))
-            except Exception as e:  # noqa: BLE001 (a loss that only traces at B/k: warn)
+            except Exception as e:  # a loss that only traces at B/k: warn below
                 full.append(f"loss_fn did not trace on the full batch: {str(e)[:200]}")
         if isinstance(full[0], str) or len(full[0]) != len(flat):
             return None
