@@ -23,8 +23,8 @@ system-deps:
 	bash launch/local/install-system-deps.sh
 
 lint: $(STAMP)
-	$(PY) -m ruff check trn_accum tests benchmarks
-	$(PY) -m ruff format --check trn_accum tests benchmarks
+	$(PY) -m ruff check trn_accum tests benchmarks examples
+	$(PY) -m ruff format --check trn_accum tests benchmarks examples
 
 test: $(STAMP) system-deps lint
 	$(PY) -m pytest -q -n 2 --dist loadgroup

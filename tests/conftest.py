@@ -12,3 +12,39 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 assert jax.device_count() == 8, f"expected 8 emulated CPU devices, got {jax.device_count()}"
+
+# ----------------------------------------------------------------------------- shared helpers
+# (imported by test files as `from conftest import ...`; pytest puts tests/ on sys.path)
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+
+def assert_close(actual, expected, *, rtol=1e-5, atol=0.0, scaled_atol=False, dtypes=False):
+    """Pytrees with the same structure whose leaves are allclose (same shapes; same dtypes too
+    with `dtypes`). `scaled_atol`: atol = rtol × max |expected| per leaf, for leaves whose
+    entries cancel to near zero."""
+    assert jax.tree.structure(actual) == jax.tree.structure(expected), (
+        jax.tree.structure(actual),
+        jax.tree.structure(expected),
+    )
+    flat, _ = jax.tree_util.tree_flatten_with_path(actual)
+    for (path, a), e in zip(flat, jax.tree.leaves(expected), strict=True):
+        name = jax.tree_util.keystr(path) or "<root>"
+        a, e = np.asarray(a), np.asarray(e)
+        assert a.shape == e.shape, (name, a.shape, e.shape)
+        if dtypes:
+            assert a.dtype == e.dtype, (name, a.dtype, e.dtype)
+        tol = rtol * float(np.max(np.abs(e.astype(np.float64)))) if scaled_atol and e.size else atol
+        np.testing.assert_allclose(
+            a.astype(np.float64), e.astype(np.float64), rtol=rtol, atol=tol, err_msg=name
+        )
+
+
+@pytest.fixture(params=["shardy", "gspmd"])
+def partitioner(request):
+    """Runs the test under both SPMD partitioners (Shardy is JAX's default)."""
+    old = jax.config.jax_use_shardy_partitioner
+    jax.config.update("jax_use_shardy_partitioner", request.param == "shardy")
+    yield request.param
+    jax.config.update("jax_use_shardy_partitioner", old)

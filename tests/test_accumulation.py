@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from conftest import assert_close
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -134,11 +135,7 @@ def compiled_step(mesh_name, k, loop, reduce="per_minibatch"):
     return acc, compiled_full(mesh_name), params, batch
 
 
-def assert_tree_close(actual, expected, rtol=1e-5, atol=1e-6):
-    assert jax.tree.structure(actual) == jax.tree.structure(expected)
-    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
-        assert a.shape == e.shape and a.dtype == e.dtype, (a.shape, a.dtype, e.shape, e.dtype)
-        np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=rtol, atol=atol)
+assert_tree_close = functools.partial(assert_close, rtol=1e-5, atol=1e-6, dtypes=True)
 
 
 # ----------------------------------------------------------------------------- exactness
@@ -444,10 +441,10 @@ def test_grad_dtype():
 
     batch = {"x": jnp.arange(8.0)}
     p16 = jnp.bfloat16(0.5)
-    _, g = accumulate_gradients(loss_fn, steps=2)(p16, batch)
+    _, g = accumulate_gradients(loss_fn, steps=2)(p16, batch)  # default: value_and_grad's
+    assert g.dtype == jnp.bfloat16 == jax.value_and_grad(loss_fn)(p16, batch)[1].dtype
+    _, g = accumulate_gradients(loss_fn, steps=2, grad_dtype=jnp.float32)(p16, batch)
     assert g.dtype == jnp.float32
-    _, g = accumulate_gradients(loss_fn, steps=2, grad_dtype=None)(p16, batch)
-    assert g.dtype == jnp.bfloat16
     _, g = accumulate_gradients(loss_fn, steps=2, grad_dtype=jnp.bfloat16)(jnp.float32(0.5), batch)
     assert g.dtype == jnp.bfloat16
 
@@ -513,6 +510,7 @@ def test_reduce_once_keys_and_errors():
         steps=4,
         mesh=mesh,
         batch_spec=P("data"),
+        weight_fn=lambda mb: mb["x"].shape[0],  # a plain mean over rows: the row count
         has_aux=True,
         rng_argnum=2,
         reduce="once",

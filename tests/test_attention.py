@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import assert_close
 from jax.sharding import PartitionSpec as P
 
 from trn_accum.core.accumulate import accumulate_gradients
@@ -53,12 +54,8 @@ def _out_and_grads(fn, q, k, v, ct):
 
 
 def _assert_close(got, want):
-    out_g, grads_g = got
-    out_w, grads_w = want
-    names = ["out", "dq", "dk", "dv"]
-    for name, a, b in zip(names, [out_g, *grads_g], [out_w, *grads_w], strict=True):
-        atol = RTOL * float(jnp.max(jnp.abs(b)))
-        np.testing.assert_allclose(a, b, rtol=RTOL, atol=atol, err_msg=name)
+    """(out, (dq, dk, dv)), each leaf within RTOL of its largest entry."""
+    assert_close(got, want, rtol=RTOL, scaled_atol=True)
 
 
 @pytest.fixture(scope="module")
@@ -161,11 +158,7 @@ def test_blockwise_and_chunked_loss_inside_accumulation_wrapper():
     )
     loss, grads = jax.jit(grad_fn)(params, batch)
     np.testing.assert_allclose(loss, want_loss, rtol=RTOL)
-    for name in params:
-        atol = RTOL * float(jnp.max(jnp.abs(want_grads[name])))
-        np.testing.assert_allclose(
-            grads[name], want_grads[name], rtol=RTOL, atol=atol, err_msg=name
-        )
+    assert_close(grads, want_grads, rtol=RTOL, scaled_atol=True)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -16,14 +16,6 @@ def _mesh(shape, names, devices=None):
     return Mesh(devs, names, axis_types=(AxisType.Auto,) * len(names))
 
 
-@pytest.fixture(params=["shardy", "gspmd"])
-def partitioner(request):
-    old = jax.config.jax_use_shardy_partitioner
-    jax.config.update("jax_use_shardy_partitioner", request.param == "shardy")
-    yield request.param
-    jax.config.update("jax_use_shardy_partitioner", old)
-
-
 def _compiled(f, *args):
     return jax.jit(f).lower(*args).compile().as_text()
 

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import assert_close
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -49,12 +50,6 @@ def check_once_vs_per_minibatch(once, per, axes, k, *, factor_max):
     factor = sum(b for _, b in ar_per) / sum(b for _, b in ar_once)
     assert 0.9 * k <= factor <= factor_max, (k, factor, ar_per, ar_once)
     return factor
-
-
-def assert_close(actual, expected, rtol, atol=0.0):
-    assert jax.tree.structure(actual) == jax.tree.structure(expected)
-    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=rtol, atol=atol)
 
 
 def assert_norm_close(actual, expected, rtol):

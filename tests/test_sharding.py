@@ -29,14 +29,6 @@ MESHES = {
 }
 
 
-@pytest.fixture(params=["shardy", "gspmd"])
-def partitioner(request):
-    old = jax.config.jax_use_shardy_partitioner
-    jax.config.update("jax_use_shardy_partitioner", request.param == "shardy")
-    yield request.param
-    jax.config.update("jax_use_shardy_partitioner", old)
-
-
 def _batch(b=32, s=4, d=3):
     x = jnp.arange(b * s * d, dtype=jnp.float32).reshape(b, s, d)
     return {

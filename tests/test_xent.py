@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import assert_close
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -49,11 +50,8 @@ def reference():
 
 
 def _assert_close(got, want):
-    (loss_g, (dh_g, de_g)), (loss_w, (dh_w, de_w)) = got, want
-    assert loss_g.dtype == jnp.float32 and loss_g.shape == loss_w.shape
-    for name, a, b in [("loss", loss_g, loss_w), ("dhidden", dh_g, dh_w), ("dembed", de_g, de_w)]:
-        atol = RTOL * float(jnp.max(jnp.abs(b)))
-        np.testing.assert_allclose(a, b, rtol=RTOL, atol=atol, err_msg=name)
+    """(loss, (dhidden, dembed)) against the float32 reference: same dtypes and shapes."""
+    assert_close(got, want, rtol=RTOL, scaled_atol=True, dtypes=True)
 
 
 @pytest.mark.parametrize(

@@ -25,31 +25,16 @@ import numpy as np
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+# fmt: off
 __all__ = [
-    "as_spec",
-    "batch_shard_count",
-    "build_mesh",
-    "check_auto_mesh",
-    "check_axis_sizes",
-    "check_spec_axes",
-    "constrain",
-    "cut_spec",
-    "divisibility_error",
-    "drop_axes",
-    "is_spec",
-    "leaf_specs",
-    "manual_axes",
-    "merge_minibatches",
-    "minibatch_specs",
-    "nearest_valid_steps",
-    "resolve_axes",
-    "spec_axes",
-    "split_leaf",
-    "split_minibatches",
-    "valid_steps",
-    "validate_batch",
-    "validate_steps",
+    "as_spec", "batch_shard_count", "build_mesh", "check_auto_mesh", "check_axis_sizes",
+    "check_batch_spec_has_mesh", "check_spec_axes", "check_spec_fits", "constrain",
+    "constrain_leaves", "cut_spec", "divisibility_error", "drop_axes", "is_sharding_leaf",
+    "is_spec", "leaf_shardings", "leaf_specs", "manual_axes", "merge_minibatches",
+    "minibatch_specs", "nearest_valid_steps", "resolve_axes", "spec_axes", "split_leaf",
+    "split_minibatches", "valid_steps", "validate_batch", "validate_steps",
 ]
+# fmt: on
 
 
 # ----------------------------------------------------------------------------- specs
@@ -122,6 +107,30 @@ def check_spec_axes(spec: P, mesh: Mesh, *, what: str = "batch_spec") -> None:
                 )
 
 
+def check_spec_fits(spec: P, shape: Sequence[int], mesh: Mesh, *, what: str) -> None:
+    """ValueError unless `spec` can shard an array of `shape` on `mesh`: its axes exist, it has
+    at most rank entries, and every dimension divides by the product of its axes' sizes (what
+    `jax.device_put` requires). The message names `what` (e.g. the leaf path), the dimension,
+    the axis sizes and a fix."""
+    check_spec_axes(spec, mesh, what=what)
+    shape = tuple(int(d) for d in shape)
+    if len(spec) > len(shape):
+        raise ValueError(
+            f"{what} = {spec} has {len(spec)} entries but the array has rank {len(shape)} "
+            f"(shape {shape}); drop the extra entries"
+        )
+    for dim, (size, entry) in enumerate(zip(shape, spec, strict=False)):
+        axes = spec_axes(entry)
+        shards = math.prod(mesh.shape[a] for a in axes)
+        if size % shards:
+            sizes = " × ".join(f"{a}={mesh.shape[a]}" for a in axes)
+            raise ValueError(
+                f"{what} = {spec} does not fit shape {shape}: dimension {dim} has size {size}, "
+                f"not divisible by {sizes} = {shards}; replicate that dimension (None), shard a "
+                f"dimension whose size divides by {shards}, or change the mesh"
+            )
+
+
 def check_auto_mesh(mesh: Mesh) -> None:
     """ValueError unless every mesh axis is Auto (shardings are stated with constraints)."""
     types = tuple(getattr(mesh, "axis_types", None) or ())
@@ -170,6 +179,62 @@ def leaf_specs(batch: Any, batch_spec: Any) -> list[P]:
     return [cut_spec(s, np.ndim(x)) for s, x in zip(specs, leaves, strict=True)]
 
 
+def is_sharding_leaf(x: Any) -> bool:
+    """A leaf of a parameter-spec tree: a PartitionSpec, a NamedSharding, or None."""
+    return x is None or isinstance(x, (P, NamedSharding))
+
+
+_NO_CONSTRAINT = object()  # stands for a None spec while broadcasting
+
+
+def leaf_shardings(specs: Any, tree: Any, mesh: Mesh | None, *, what: str) -> list | None:
+    """One `(mesh, PartitionSpec)` or None (no constraint) per leaf of `tree`, in
+    `jax.tree.leaves` order; None when `specs` is None.
+
+    `specs` is a pytree prefix of `tree` whose leaves are PartitionSpecs (on `mesh`),
+    NamedShardings (on their own mesh) or None (no constraint for that subtree). As in
+    `jax.tree` functions, None leaves and empty subtrees of `tree` (e.g. `eqx.partition`'s
+    holes) have no leaves, so they get nothing; a spec standing over them is unused. Every
+    spec is checked against its leaf's shape (`check_spec_fits`); `what` names the tree in
+    messages, e.g. "param_specs".
+    """
+    if specs is None:
+        return None
+    marked = jax.tree.map(
+        lambda s: _NO_CONSTRAINT if s is None else s, specs, is_leaf=is_sharding_leaf
+    )
+
+    def is_leaf(x):
+        return x is _NO_CONSTRAINT or isinstance(x, (P, NamedSharding))
+
+    try:
+        full = jax.tree.broadcast(marked, tree, is_leaf=is_leaf)
+    except ValueError as e:
+        raise ValueError(f"{what} must be a pytree prefix of the parameters: {e}") from None
+    out = []
+    flat = jax.tree.leaves(full, is_leaf=is_leaf)
+    for (path, x), spec in zip(jax.tree.flatten_with_path(tree)[0], flat, strict=True):
+        where, on = f"{what}{jax.tree_util.keystr(path)}", mesh
+        if isinstance(spec, NamedSharding):
+            on, spec = spec.mesh, spec.spec
+        if spec is not _NO_CONSTRAINT:
+            if on is None:
+                raise ValueError(f"{where} = {spec} needs mesh=... (or a NamedSharding)")
+            check_spec_fits(spec, np.shape(x), on, what=where)
+        out.append(None if spec is _NO_CONSTRAINT else (on, spec))
+    return out
+
+
+def constrain_leaves(tree: Any, shardings: list | None) -> Any:
+    """`tree` with leaf i constrained to `shardings[i]` = (mesh, spec) (None: left alone), the
+    list `leaf_shardings` returns; `tree` itself when `shardings` is None."""
+    if shardings is None:
+        return tree
+    leaves, treedef = jax.tree.flatten(tree)
+    out = [x if ms is None else constrain(x, *ms) for x, ms in zip(leaves, shardings, strict=True)]
+    return jax.tree.unflatten(treedef, out)
+
+
 def valid_steps(batch_size: int, shards: int) -> tuple[int, ...]:
     """Every k >= 1 with `batch_size` divisible by k × `shards`, ascending; () when `shards`
     does not divide `batch_size` at all. The one statement of the divisibility rule."""
@@ -212,12 +277,13 @@ def validate_batch(
 ) -> tuple[int, list[P]]:
     """Check a batch against k = steps and the mesh; return (B, per-leaf specs).
 
-    ValueError (at trace time: shapes are static) when: steps < 1; a leaf has no batch axis;
-    leaves disagree on B; a spec names an axis the mesh lacks; B is not divisible by
-    k × (shards of the batch axes). Messages name the leaf, B, k, the shard count and the
-    nearest valid k.
+    ValueError (at trace time: shapes are static) when: steps < 1; `batch_spec` comes without
+    `mesh`; a leaf has no batch axis; leaves disagree on B; a spec names an axis the mesh
+    lacks; B is not divisible by k × (shards of the batch axes); another dimension does not
+    divide by its axes (`check_spec_fits`). Messages name the leaf, the numbers and a fix.
     """
     steps = validate_steps(steps)
+    check_batch_spec_has_mesh(batch_spec, mesh)
     flat, _ = jax.tree.flatten_with_path(batch)
     if not flat:
         raise ValueError("the batch has no array leaves")
@@ -241,14 +307,26 @@ def validate_batch(
             "have the same global batch size"
         )
     batch_size = next(iter(sizes))
-    for (path, _), spec in zip(flat, specs, strict=True):
+    for (path, x), spec in zip(flat, specs, strict=True):
         axes = spec_axes(spec[0]) if len(spec) else ()
         error = divisibility_error(
             batch_size, steps, batch_shard_count(spec, mesh), axes=f"mesh axes {axes}"
         )
         if error:
             raise ValueError(f"batch leaf {_path_str(path)}: {error}")
+        if mesh is not None:
+            check_spec_fits(spec, np.shape(x), mesh, what=f"batch_spec of leaf {_path_str(path)}")
     return batch_size, specs
+
+
+def check_batch_spec_has_mesh(batch_spec: Any, mesh: Mesh | None) -> None:
+    """ValueError when a batch spec is given without the mesh it refers to (it would be
+    ignored)."""
+    if batch_spec is not None and mesh is None:
+        raise ValueError(
+            f"batch_spec={batch_spec} needs mesh=...: pass the mesh the spec refers to (e.g. "
+            "trn_accum.build_mesh({'data': -1})) or drop batch_spec"
+        )
 
 
 # ----------------------------------------------------------------------------- split / merge
@@ -316,6 +394,7 @@ def split_minibatches(
 def merge_minibatches(stacked: Any, *, mesh: Mesh | None = None, batch_spec: Any = None) -> Any:
     """Exact inverse of `split_minibatches`: [k, B/k, *rest] -> [B, *rest] in the original row
     order (row j·k + i = stacked[i, j]). With `mesh`, the result is constrained to the spec."""
+    check_batch_spec_has_mesh(batch_spec, mesh)
     leaves, treedef = jax.tree.flatten(stacked)
     for path, x in jax.tree.flatten_with_path(stacked)[0]:
         if np.ndim(x) < 2:

@@ -220,6 +220,7 @@ def make_train_step(cfg: Config, mesh, tx, lr_fn, specs, state_shardings):
         weight_fn=lambda mb: mb["target_mask"].sum(),
         has_aux=True,
         aux_reduction=AUX_REDUCTION,
+        grad_dtype=jnp.float32,
         loop=cfg.trainer.loop,
         reduce=cfg.trainer.reduce,
     )

@@ -1,0 +1,133 @@
+"""reduce="once": the minibatch loop manual over the pure data-parallel axes, one psum after it.
+
+    manual = leading batch axes that no parameter spec uses   # ("data",) on (data, fsdp)
+    shard_map(loop, axis_names=manual):                       # fsdp, seq, model stay automatic
+        each device: carry = Σ_i over its own rows of minibatch i (float32, local partial sums)
+        carry = psum(carry, manual)                            # the one reduction, after the loop
+        divide as per_minibatch does
+
+Numbers: with weights w_ij = weight_fn(device j's rows of minibatch i) and L_ij the loss of
+those rows, "once" gives Σ_ij w_ij·L_ij / Σ_ij w_ij. That equals "per_minibatch"'s
+Σ_i w_i·L_i / Σ_i w_i whenever the latter is the full batch's value: `weight_fn` additive over
+rows (w_i = Σ_j w_ij, like a token count) and L_i the w-weighted mean of its rows. This is why
+reduce="once" needs an explicit `weight_fn` (a masked mean under equal weights has no single
+definition across the two modes).
+
+Imports JAX (and numpy/stdlib) only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from trn_accum.core import sharding as shd
+from trn_accum.core.accumulator import Carry
+
+__all__ = ["check_weight_fn", "manual_axes_for", "psum_carry", "run_manual"]
+
+
+def check_weight_fn(weight_fn: Callable | None) -> None:
+    """ValueError unless reduce="once" has an explicit weight_fn (see the module docstring)."""
+    if weight_fn is None:
+        raise ValueError(
+            'reduce="once" needs an explicit weight_fn, additive over rows, so that it gives '
+            "the numbers of per_minibatch: e.g. weight_fn=lambda mb: mb['mask'].sum() for a "
+            "masked mean, or lambda mb: mb['x'].shape[0] for a plain mean over rows"
+        )
+
+
+def manual_axes_for(mesh: Mesh | None, batch_specs: list[P], grad_shardings: list | None):
+    """The pure data-parallel axes: the leading mesh axes of the batch dimension's sharding
+    (the same for every batch leaf) up to the first one a parameter spec uses. () without a
+    mesh (then "once" is "per_minibatch")."""
+    if mesh is None:
+        return ()
+    entries = {tuple(shd.spec_axes(s[0])) if len(s) else () for s in batch_specs}
+    if len(entries) != 1:
+        raise ValueError(
+            f'reduce="once" needs every batch leaf sharded the same way on axis 0, got {entries}'
+        )
+    used = {
+        axis
+        for ms in grad_shardings or ()
+        if ms is not None
+        for entry in ms[1]
+        for axis in shd.spec_axes(entry)
+    }
+    manual = []
+    for axis in next(iter(entries)):
+        if axis in used:
+            break
+        manual.append(axis)
+    return tuple(manual)
+
+
+def psum_carry(carry: Carry, reductions: list[str], axes: tuple[str, ...]) -> Carry:
+    """The one reduction after the loop: sums psum'd, "max"/"min" aux pmax/pmin'd over `axes`
+    ("concat" aux is per device already: the shard_map's out_specs stitch it)."""
+
+    def reduce(red: str, x):
+        if red == "max":
+            return jax.lax.pmax(x, axes)
+        if red == "min":
+            return jax.lax.pmin(x, axes)
+        return x if red == "concat" else jax.lax.psum(x, axes)
+
+    loss, weight, grads = jax.lax.psum((carry.loss, carry.weight, carry.grads), axes)
+    aux = [reduce(red, x) for red, x in zip(reductions, carry.aux, strict=True)]
+    return Carry(loss, weight, grads, aux)
+
+
+def run_manual(
+    local: Callable,
+    *,
+    mesh: Mesh,
+    manual: tuple[str, ...],
+    batch_specs: list[P],
+    reductions: Any,
+    params: Any,
+    batch: Any,
+    args: tuple,
+) -> tuple:
+    """`local(params, batch, args, inner_specs, manual)` -> (loss, aux, grads) inside a
+    `shard_map` manual over `manual` only. Batch leaves enter split over the manual axes
+    (per device [B/J, ...] with J their size), parameters and extra arguments replicated over
+    them and cast to varying (so their gradients stay per-device partial sums); `inner_specs`
+    are the batch specs without the manual axes. Outputs: loss, grads and reduced aux
+    replicated; per-example aux stitched over the manual axes."""
+    entry = manual[0] if len(manual) == 1 else tuple(manual)
+    inner_specs = [shd.drop_axes(s, manual) for s in batch_specs]
+    b_leaves, b_def = jax.tree.flatten(batch)
+    batch_in = jax.tree.unflatten(b_def, [P(entry)] * len(b_leaves))
+    aux_out = (
+        None
+        if reductions is None
+        else jax.tree.map(lambda r: P(entry) if r == "concat" else P(), reductions)
+    )
+
+    def body(params, batch, *args):
+        params = jax.tree.map(lambda p: jax.lax.pcast(p, manual, to="varying"), params)
+        return local(params, batch, args, inner_specs, manual)
+
+    try:
+        return jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(P(), batch_in, *([P()] * len(args))),
+            out_specs=(P(), aux_out, P()),
+            axis_names=set(manual),
+        )(params, batch, *args)
+    except ValueError as e:
+        if "manual_axis_type" not in str(e):
+            raise
+        raise ValueError(
+            f'reduce="once" runs loss_fn manual over mesh axes {manual}: a sharding constraint '
+            "inside loss_fn names them or uses the concrete mesh; use "
+            "trn_accum.constrain(x, mesh, spec), which drops manual axes "
+            f"(JAX said: {str(e).splitlines()[0]})"
+        ) from e
