@@ -6,7 +6,9 @@ KIND:
 - sigterm_after_step: the process sends itself SIGTERM right after step STEP is logged (the
   real preemption path: the handler sets the flag, the loop saves that step and exits 75);
 - sigkill_after_save_start: SIGKILL right after the background save of step STEP has
-  started, before it commits (a save killed half-way).
+  started, before it commits (a save killed half-way);
+- sigkill_after_step: SIGKILL right after step STEP is logged (a trainer killed outright: it
+  leaves its run-dir claim behind).
 
 The trainer is unchanged: the driver wraps `MetricsLogger.log_train` and `Checkpointer.save`.
 """
@@ -21,13 +23,14 @@ from trn_accum.train.metrics import MetricsLogger
 
 
 def _install(kind: str, at: int) -> None:
-    if kind == "sigterm_after_step":
+    if kind in ("sigterm_after_step", "sigkill_after_step"):
         log_train = MetricsLogger.log_train
+        sig = signal.SIGTERM if kind == "sigterm_after_step" else signal.SIGKILL
 
         def logged(self, step, metrics):
             log_train(self, step, metrics)
             if step == at:
-                os.kill(os.getpid(), signal.SIGTERM)
+                os.kill(os.getpid(), sig)
 
         MetricsLogger.log_train = logged
     elif kind == "sigkill_after_save_start":

@@ -21,12 +21,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from trn_accum.errors import EXIT_PREEMPTED
-from trn_accum.train.checkpoint import (
-    Checkpointer,
-    CheckpointError,
-    Preemption,
-    abstract_state,
-)
+from trn_accum.train.checkpoint import Checkpointer, CheckpointError, abstract_state
+from trn_accum.train.preemption import Preemption
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -147,7 +143,7 @@ def test_uncommitted_newest_is_skipped_with_warning(tmp_path, caplog):
     assert meta["step"] == 2
     _assert_bit_equal(restored, _state(2, mesh))
     warned = [r.getMessage() for r in caplog.records if "uncommitted" in r.getMessage()]
-    assert warned and str(tmp) in warned[0] and "step 2" in warned[0]
+    assert len(warned) == 1 and str(tmp) in warned[0] and "step 2" in warned[0]  # said once
     assert ck.uncommitted() == [(3, str(tmp))]
     assert _listing(tmp_path) == before  # nothing deleted
 
@@ -203,6 +199,78 @@ def test_mismatched_target_and_missing_checkpoint_are_errors(tmp_path):
         )
     assert "\n" not in str(e.value) and str(tmp_path / "1") in str(e.value)
     ck.close()
+
+
+_MISMATCH = textwrap.dedent(
+    """
+    import sys
+    import jax, jax.numpy as jnp
+    from trn_accum.train.checkpoint import Checkpointer, CheckpointError
+    state = {"params": {"embed": jnp.ones((512, 64)), "norm": jnp.ones((64,))},
+             "step": jnp.int32(3)}
+    with Checkpointer(sys.argv[1], async_save=False) as ck:
+        ck.save(3, state, force=True)
+    target = {"params": {"embed": jax.ShapeDtypeStruct((512, 128), jnp.float32),
+                         "norm": jax.ShapeDtypeStruct((128,), jnp.float32)},
+              "step": jax.ShapeDtypeStruct((), jnp.int32)}
+    with Checkpointer(sys.argv[1]) as ck:
+        try:
+            ck.restore(target)
+        except CheckpointError as e:
+            print("ERROR", e, flush=True)
+    """
+)
+
+
+def test_shape_mismatch_names_the_leaves_without_a_traceback(tmp_path):
+    """A config whose shapes differ from the checkpoint's: one line naming the leaves, and no
+    `Event loop is closed` traceback after it (no array read was started)."""
+    r = subprocess.run(
+        [sys.executable, "-c", _MISMATCH, str(tmp_path)],
+        env=_env(8),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("ERROR ")][0]
+    assert str(tmp_path / "3") in line
+    assert "params/embed (512, 64) (needs (512, 128))" in line and "params/norm (64,)" in line
+    assert "another model config" in line and "move it aside" not in line
+    assert "Traceback" not in r.stderr and "Event loop" not in r.stderr, r.stderr
+
+
+def test_background_save_failure_on_a_full_disk(tmp_path):
+    """A real full filesystem (a 1.5 MB tmpfs): the background save of step 2 fails; the
+    non-blocking check reports it once (EXIT_SAVE_FAILED, the path, the cause), removes the
+    partial step directory, and step 1 stays restorable."""
+    from tmpfs import small_tmpfs
+
+    from trn_accum.errors import EXIT_SAVE_FAILED
+
+    def state(seed):  # ~1 MiB of incompressible float32
+        return {"w": jax.random.normal(jax.random.key(seed), (256, 1024), jnp.float32)}
+
+    with small_tmpfs(tmp_path / "mnt", 1_500_000) as mnt:
+        ck = Checkpointer(str(mnt / "ck"), keep=1)
+        assert ck.save(1, state(1), force=True)
+        ck.wait_until_finished()
+        assert ck.background_failure() is None
+        assert ck.save(2, state(2), force=True)  # starts; its writes fail in the background
+        deadline = time.time() + 60
+        while (err := ck.background_failure()) is None:
+            assert time.time() < deadline, "the failed save was never reported"
+            time.sleep(0.01)
+        msg = str(err)
+        assert err.exit_code == EXIT_SAVE_FAILED and "\n" not in msg
+        assert f"checkpoint {mnt / 'ck' / '2'} could not be written" in msg
+        assert "No space left on device" in msg and f"{mnt / 'ck' / '1'} is intact" in msg
+        assert ck.background_failure() is None  # reported once
+        ck.close()
+        assert sorted(os.listdir(mnt / "ck")) == ["1"]  # no partial step directory left
+        with Checkpointer(str(mnt / "ck")) as again:
+            restored, _ = again.restore(abstract_state(state(1)))
+        assert np.asarray(restored["w"]).tobytes() == np.asarray(state(1)["w"]).tobytes()
 
 
 def test_unwritable_directory_is_an_error(tmp_path):
@@ -341,8 +409,12 @@ def test_preemption_flag_single_process():
         assert pre.should_stop(1) and pre.should_stop(2)
     assert signal.getsignal(signal.SIGTERM) == before
     with Preemption(signals=(signal.SIGUSR1,)) as pre:
+        assert not pre.should_stop(0, save_failed=False, claim_lost=False)
+        assert pre.should_stop(1, save_failed=True, claim_lost=False)
+        assert pre.problems == {"save_failed"} and not pre.preempted
+        assert not pre.should_stop(2, save_failed=False) and pre.problems == set()
         pre.request()
-        assert pre.should_stop(0)
+        assert pre.should_stop(3) and pre.preempted
 
 
 _TRAINER = textwrap.dedent(
@@ -355,7 +427,8 @@ _TRAINER = textwrap.dedent(
     if nproc > 1:
         jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=nproc, process_id=pid)
     from trn_accum.errors import EXIT_PREEMPTED
-    from trn_accum.train.checkpoint import Checkpointer, Preemption
+    from trn_accum.train.checkpoint import Checkpointer
+    from trn_accum.train.preemption import Preemption
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "fsdp"))
     sh = NamedSharding(mesh, P(("data", "fsdp")))
     x = jax.make_array_from_callback((16,), sh, lambda idx: np.zeros(16, np.float32)[idx])

@@ -101,7 +101,7 @@ BAD_OVERRIDES = [
     ("mesh.rules=tp", ["mesh.rules", "'tp'", "'trn2'", "'fsdp'"]),
     ("mesh.model=2", ["mesh.model", "2", "rules"]),
     ("data.seq_len=4096", ["data.seq_len", "4096", "model.max_seq_len (128)"]),
-    ("data.global_batch=20", ["data.global_batch", "20", "accum_steps (4)"]),
+    ("trainer.stop_after_nonfinite=-1", ["trainer.stop_after_nonfinite", "-1", ">= 0"]),
     ("data.kind=tokens", ["data.path", "tokens"]),
     ("data.kind=text", ["data.kind", "'text'", "'synthetic'"]),
     ("trainer.accum_steps=0", ["trainer.accum_steps", "0", '"auto"']),
@@ -151,6 +151,22 @@ def test_bad_config_file(tmp_path, text, needles):
     with pytest.raises(ConfigError) as err:
         load_config(p)
     assert "\n" not in str(err.value) and all(n in str(err.value) for n in needles), err.value
+
+
+def test_binary_config_file_is_a_one_line_error(tmp_path):
+    p = tmp_path / "bin.toml"
+    p.write_bytes(b"\x8a\xff\x00" + bytes(range(256)))
+    with pytest.raises(ConfigError) as err:
+        load_config(p)
+    assert "not UTF-8" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_batch_rule_waits_for_the_mesh():
+    """global batch vs accum_steps x batch shards needs the mesh on the devices (an axis of -1,
+    a mesh larger than the devices): load_config leaves it to trn_accum.train.step.check_batch,
+    so that a mesh problem is reported as one."""
+    cfg = load_config(TINY, ["data.global_batch=20", "mesh.data=4", "mesh.fsdp=4"])
+    assert cfg.data.global_batch == 20
 
 
 def test_missing_config_file(tmp_path):

@@ -262,6 +262,57 @@ def test_errors_are_one_line(tmp_path):
     _one_line(e)
 
 
+def test_prepare_data_of_a_directory_and_failures_leave_no_temporary_file(tmp_path):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text("hello")
+    with pytest.raises(DataError) as e:
+        prepare_data([str(docs)], str(tmp_path / "o"))
+    msg = _one_line(e)
+    assert "is a directory" in msg and f"{docs}/*.txt" in msg and "does not exist" not in msg
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes(b"caf\xe9 au lait")
+    for files in (
+        [str(docs / "a.txt"), str(bad)],
+        [str(docs / "a.txt"), str(tmp_path / "x.jsonl")],
+    ):
+        if files[1].endswith(".jsonl"):
+            (tmp_path / "x.jsonl").write_text('{"text": 1}\nnot json\n')
+        with pytest.raises(DataError):
+            prepare_data(files, str(tmp_path / "o"))
+        assert sorted(os.listdir(tmp_path / "o")) == []  # no tokens.bin.tmp left behind
+
+
+@pytest.mark.parametrize(
+    "garbage, needle",
+    [
+        (b"\xff\xfe\x00\x01 torn", "not readable JSON"),
+        (b'{"dtype": "uint16", "vocab_si', "not readable JSON"),
+        (b"[1, 2, 3]", "lacks dtype"),
+        ({"num_tokens": "many"}, "num_tokens = 'many' is not an integer >= 0"),
+        ({"vocab_size": None}, "vocab_size = None is not an integer >= 1"),
+        ({"eos_id": -3}, "eos_id = -3"),
+        ({"dtype": ["uint16"]}, "is not uint16/uint32"),
+        ({"dtype": "float64"}, "is not uint16/uint32"),
+        ({"tokens_file": "../../etc/passwd"}, "is not a file name beside it"),
+        ({"offsets_file": 7}, "offsets_file = 7"),
+        ({"max_token_id": 1.5}, "max_token_id = 1.5"),
+    ],
+)
+def test_garbage_meta_json_is_a_one_line_error(tmp_path, garbage, needle):
+    out = tmp_path / "o"
+    prepare_data(_corpus(tmp_path, ["hello world"] * 3), str(out))
+    if isinstance(garbage, dict):
+        meta = json.loads((out / "meta.json").read_text())
+        meta.update(garbage)
+        (out / "meta.json").write_text(json.dumps(meta))
+    else:
+        (out / "meta.json").write_bytes(garbage)
+    with pytest.raises(DataError) as e:
+        TokenDataset(str(out), seq_len=4, batch_size=2)
+    assert needle in _one_line(e) and str(out / "meta.json") in str(e.value)
+
+
 def test_hf_tokenizer_or_clear_error(tmp_path):
     text = _corpus(tmp_path, ["the cat sat"])
     try:

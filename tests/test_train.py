@@ -96,7 +96,19 @@ def test_flops_per_step_formula():
     [
         (["mesh.data=1", "mesh.fsdp=16", "trainer.accum_steps=1"], "needs a multiple of 16"),
         (["mesh.data=2", "mesh.fsdp=2"], "uses 4 devices but 8"),
+        # a mesh that does not fit the devices is a mesh problem, whatever the batch
+        (["mesh.data=4", "mesh.fsdp=4"], r"mesh \{'data': 4, 'fsdp': 4, 'model': 1\} needs a"),
         (["trainer.accum_steps=8"], r"not divisible by accum_steps \(8\) x batch shards"),
+        # -1 resolved on the devices: 8 shards, not the 2 of the fixed axes
+        (
+            ["data.global_batch=12"],
+            r"data 4 \(mesh.data = -1: all devices left\) x fsdp 2 = 8 on 8 devices\) = 32: "
+            r"no accum_steps works: make data.global_batch a multiple of 32",
+        ),
+        (
+            ["data.global_batch=16", "trainer.accum_steps=4"],
+            r"valid accum_steps on this mesh: \[1, 2\]",
+        ),
     ],
 )
 def test_mesh_and_batch_errors(overrides, match):

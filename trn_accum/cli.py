@@ -1,7 +1,7 @@
 """`trn-accum`: train | dry-run | neuron-env | prepare-data | plot | render-eks.
 
     trn-accum train --config FILE [--set section.key=value ...] [--run-dir DIR]
-                    [--profile START:STOP]
+                    [--profile START:STOP] [--allow-config-change KEY ...]
     trn-accum dry-run --config FILE [--set ...] [--devices 64] [--nodes N] [--json]
     trn-accum neuron-env                 the trn2 environment as shell `export` lines
     trn-accum prepare-data TEXT_FILES... --out DIR [--tokenizer bytes|tokenizer.json]
@@ -10,8 +10,11 @@
 
 Exit codes (`trn_accum.errors`): 0 success; 1 a check failed (dry-run blockers) or a bug (with
 its traceback); 2 a user error (bad config, data, checkpoint, launch environment or arguments:
-one line on stderr, no traceback); 75 (EX_TEMPFAIL) preempted (SIGTERM/SIGINT) after saving a
-checkpoint: run the same command again to resume.
+one line on stderr, no traceback; also a run dir owned by another trainer, a resume that would
+change the run's trajectory, or a run whose recent steps were all non-finite); 74 (EX_IOERR) a
+checkpoint or the run's record could not be written (disk full, quota, permissions, a vanished
+mount; the previous checkpoint is intact); 75 (EX_TEMPFAIL) preempted (SIGTERM/SIGINT) after
+saving a checkpoint: run the same command again to resume.
 
 `dry-run` needs N emulated CPU devices, which XLA fixes when its backend starts: this module
 imports no JAX at the top, `main` sets `XLA_FLAGS` / the platform before any backend starts,
@@ -81,7 +84,13 @@ def _cmd_train(args) -> int:
     run_dir = args.run_dir or os.path.join(
         "runs", os.path.splitext(os.path.basename(args.config))[0]
     )
-    return loop.run(args.config, overrides=args.overrides, run_dir=run_dir, profile=profile)
+    return loop.run(
+        args.config,
+        overrides=args.overrides,
+        run_dir=run_dir,
+        profile=profile,
+        allow_config_change=args.allow_config_change,
+    )
 
 
 def _dry_run_env_ready(devices: int) -> bool:
@@ -203,6 +212,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--profile",
         metavar="START:STOP",
         help="jax.profiler trace of steps START..STOP-1 into RUN_DIR/profile",
+    )
+    t.add_argument(
+        "--allow-config-change",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="KEY",
+        help="resume although these trajectory keys (section.key, or a whole section) differ "
+        "from the run's record; the change is logged in RUN_DIR/config_changes.jsonl",
     )
     t.set_defaults(func=_cmd_train)
 

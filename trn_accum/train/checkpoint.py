@@ -1,4 +1,4 @@
-"""Checkpoints (orbax) and preemption.
+"""Checkpoints (orbax): save, keep, resume the newest committed step, report save failures.
 
 Layout of a checkpoint directory (orbax ``CheckpointManager``, one sub-directory per step)::
 
@@ -17,25 +17,22 @@ a warning naming it (a save that was killed) and resumes from the newest committ
 is ever deleted on restore; an uncommitted directory is replaced when that step is saved again.
 
 A committed checkpoint that cannot be restored (corrupt files, or a state structure that does not
-match) raises ``CheckpointError`` with one line naming its path; the trainer exits non-zero.
+match) raises ``CheckpointError`` with one line naming its path; the trainer exits non-zero. The
+shapes are compared with the checkpoint's array metadata before any array is read, so a config
+whose shapes differ is named leaf by leaf (and no half-finished read is left behind).
+
+Save failures (disk full, quota, permissions, a vanished mount) raise ``CheckpointError`` with
+exit code ``trn_accum.errors.EXIT_SAVE_FAILED``, naming the step's path and the cause, whether
+they happen when the save starts or in the background: ``background_failure()`` (non-blocking,
+called by the trainer at every step boundary) reports a background save that has failed, and
+removes its partial step directory, so the newest committed checkpoint is the one a resume
+finds. Orbax's own error logs of a failed background save (a traceback per thread) are dropped
+while a ``Checkpointer`` is open: the ``CheckpointError`` says it once.
 
 Restoring takes an abstract target: a pytree of ``jax.ShapeDtypeStruct`` with shardings, e.g.
 ``jax.eval_shape(init)`` plus the current mesh's shardings. Orbax reads each shard straight into
 the target sharding, so a checkpoint saved on 8 devices restores on 4, or on another mesh or
 process count.
-
-Preemption. ``Preemption`` installs SIGTERM/SIGINT handlers that only set a flag, and
-``Preemption.should_stop(step)``, called by the loop every step, returns True on all processes at
-the same step once any process has been signalled: the processes agree with a tiny all-gather of
-the flag (``jax.experimental.multihost_utils.process_allgather``) every ``check_every`` steps; in a
-single process no collective is run. Why not JAX's ``reached_preemption_sync_point`` (which orbax's
-``reached_preemption`` wraps): it returns False without ``jax.distributed`` (single-process runs
-could never stop cleanly), it learns of the notice only through its own C++ SIGTERM handler (a
-Python handler replaces it, and SIGINT is not covered), so it cannot serve all three cases, while
-the all-gather works identically on one process, on CPU processes under ``jax.distributed`` (gloo)
-and on Neuron. Its cost is one scalar collective and a host sync every ``check_every`` steps.
-After saving, the trainer exits with ``trn_accum.errors.EXIT_PREEMPTED`` (75, EX_TEMPFAIL:
-"try again").
 """
 
 from __future__ import annotations
@@ -43,15 +40,13 @@ from __future__ import annotations
 import logging
 import os
 import re
-import signal
-import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import jax
 import numpy as np
 
-from trn_accum.errors import UserError
+from trn_accum.errors import EXIT_SAVE_FAILED, UserError
 
 STATE_ITEM = "state"
 META_ITEM = "meta"
@@ -62,6 +57,26 @@ log = logging.getLogger(__name__)
 
 class CheckpointError(UserError):
     """A checkpoint problem the user must resolve; the message is one line naming the path."""
+
+
+class _DropOrbaxErrors(logging.Filter):
+    """Drops orbax's ERROR records (logged with tracebacks from its save threads): the
+    Checkpointer raises one CheckpointError for the same failure."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno >= logging.ERROR and "orbax" in (record.pathname or ""))
+
+
+_ORBAX_FILTER = _DropOrbaxErrors()
+
+
+def _cause(e: BaseException) -> str:
+    """The OS-level cause of a failed write ("No space left on device"), else its first line."""
+    code = getattr(e, "errno", None) if isinstance(e, OSError) else None
+    if code is None:
+        m = re.search(r"os_error_code='?(\d+)", str(e))
+        code = int(m.group(1)) if m else None
+    return os.strerror(code) if code else _first_line(e)
 
 
 def _first_line(e: BaseException, limit: int = 200) -> str:
@@ -139,8 +154,16 @@ class Checkpointer:
             create=True,
         )
         self._manager = ocp.CheckpointManager(
-            self.directory, options=options, item_names=(STATE_ITEM, META_ITEM)
+            self.directory,
+            options=options,
+            item_handlers={
+                STATE_ITEM: ocp.StandardCheckpointHandler(),
+                META_ITEM: ocp.JsonCheckpointHandler(),
+            },
         )
+        self._warned: set[str] = set()
+        self._pending: int | None = None  # the step of the newest save started
+        logging.getLogger("absl").addFilter(_ORBAX_FILTER)
 
     # ------------------------------------------------------------------ listing
 
@@ -172,7 +195,8 @@ class Checkpointer:
         steps = self.committed_steps()
         latest = steps[-1] if steps else None
         for step, path in self.uncommitted():
-            if latest is None or step > latest:
+            if (latest is None or step > latest) and path not in self._warned:
+                self._warned.add(path)
                 log.warning(
                     "skipping uncommitted checkpoint %s (no commit marker: a save that did not "
                     "finish); resuming from %s",
@@ -214,21 +238,85 @@ class Checkpointer:
         args = ocp.args.Composite(
             **{STATE_ITEM: ocp.args.StandardSave(state), META_ITEM: ocp.args.JsonSave(meta)}
         )
+        previous = self._pending
         try:
-            return bool(self._manager.save(step, args=args, force=True))
-        except OSError as e:
-            raise CheckpointError(
-                f"cannot write checkpoint {self.step_path(step)} ({_first_line(e)}): free space "
-                f"or choose another run directory"
-            ) from None
+            started = bool(self._manager.save(step, args=args, force=True))
+        except Exception as e:  # orbax/tensorstore raise many types for a failed write
+            # orbax first waits for the previous background save: its failure surfaces here.
+            prev = None if previous is None else self.step_path(previous)
+            ours = prev is None or not any(prev + c in str(e) for c in "./")
+            raise self._failure(step if ours else previous, e) from None
+        if started:
+            self._pending = step
+        return started
+
+    def _failure(self, step: int | None, e: BaseException) -> CheckpointError:
+        """The one-line error of a failed save of `step`; its partial directories removed."""
+        if step is not None:
+            self._remove_partial(step)
+        path = self.directory if step is None else self.step_path(step)
+        committed = [s for s in self._committed_on_disk() if s != step]
+        kept = (
+            f"the previous checkpoint {self.step_path(committed[-1])} is intact"
+            if committed
+            else "there is no earlier checkpoint"
+        )
+        return CheckpointError(
+            f"checkpoint {path} could not be written ({_cause(e)}); {kept}: free space or fix "
+            f"the storage (quota, permissions, mount), then run the same command again to "
+            f"resume",
+            exit_code=EXIT_SAVE_FAILED,
+        )
+
+    def _committed_on_disk(self) -> list[int]:
+        try:
+            names = os.listdir(self.directory)
+        except OSError:
+            return []
+        return sorted(int(n) for n in names if n.isdigit() and os.path.isdir(self.step_path(n)))
+
+    def _remove_partial(self, step: int) -> None:
+        """Removes the uncommitted directories of `step` (process 0; the others share them)."""
+        if jax.process_index() != 0:
+            return
+        import shutil
+
+        for s, path in self.uncommitted():
+            if s == step:
+                shutil.rmtree(path, ignore_errors=True)
+                self._warned.add(path)
+
+    def background_failure(self) -> CheckpointError | None:
+        """Non-blocking: the CheckpointError of a background save that has failed (once), else
+        None (no save, one still running, or all committed)."""
+        if self._pending is None or self._manager.is_saving_in_progress():
+            return None
+        step, self._pending = self._pending, None
+        try:
+            self._manager.wait_until_finished()  # finished: returns at once, or raises
+        except Exception as e:
+            return self._failure(step, e)
+        return None
 
     def wait_until_finished(self) -> None:
-        """Block until a background save has committed (raises if it failed)."""
-        self._manager.wait_until_finished()
+        """Block until a background save has committed; CheckpointError (EXIT_SAVE_FAILED)
+        if it failed."""
+        try:
+            self._manager.wait_until_finished()
+        except Exception as e:
+            step, self._pending = self._pending, None
+            raise self._failure(step, e) from None
+        self._pending = None
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.close()
+        try:
+            try:
+                self._manager.wait_until_finished()
+            except Exception:
+                pass  # a failed save was reported (or is being) by the caller
+            self._manager.close()
+        finally:
+            logging.getLogger("absl").removeFilter(_ORBAX_FILTER)
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -261,6 +349,7 @@ class Checkpointer:
                 f"checkpoint {path} does not exist or is not committed: pick one of "
                 f"{self.committed_steps()}"
             )
+        self._check_shapes(step, abstract_target)
         ocp = self._ocp
         args = ocp.args.Composite(**{STATE_ITEM: ocp.args.StandardRestore(abstract_target)})
         try:
@@ -268,10 +357,38 @@ class Checkpointer:
             state = restored[STATE_ITEM]
         except Exception as e:  # orbax/tensorstore raise many types for unreadable data
             raise CheckpointError(
-                f"checkpoint {path} cannot be read ({_first_line(e)}): move it aside to resume "
-                f"from the previous one, or fix the config to match it"
+                f"checkpoint {path} cannot be read ({_first_line(e)}): its files are damaged; "
+                f"move it aside to resume from the previous one"
             ) from None
         return state, self.read_metadata(step)
+
+    def _check_shapes(self, step: int, abstract_target: Any) -> None:
+        """CheckpointError naming the leaves whose stored shape differs from the target's (or
+        that are missing), before any array is read. Unreadable metadata: left to restore."""
+        try:
+            stored = self._manager.item_metadata(step)[STATE_ITEM]
+            have = {_path(p): tuple(m.shape) for p, m in jax.tree.leaves_with_path(stored)}
+        except Exception:
+            return
+        if not have:
+            return
+        want = {
+            _path(p): None if _is_key(x) else tuple(np.shape(x))  # keys are stored as key data
+            for p, x in jax.tree.leaves_with_path(abstract_target)
+        }
+        bad = [
+            f"{k} {have[k] if k in have else 'missing'} (needs {shape})"
+            for k, shape in want.items()
+            if k not in have or (shape is not None and have[k] != shape)
+        ]
+        bad += [f"{k} {have[k]} (not in the target)" for k in have if k not in want]
+        if bad:
+            more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+            raise CheckpointError(
+                f"checkpoint {self.step_path(step)} holds a state of other shapes than this "
+                f"config makes: {'; '.join(bad[:3])}{more}: it was written with another model "
+                f"config; resume with the config it was saved with, or start a new run dir"
+            )
 
     def read_metadata(self, step: int | None = None) -> dict | None:
         """The JSON saved beside `step` (default: newest committed), or None if absent."""
@@ -294,87 +411,19 @@ class Checkpointer:
         return restored[META_ITEM]
 
 
-# ---------------------------------------------------------------------- preemption
+def _is_key(x) -> bool:
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
-class Preemption:
-    """SIGTERM/SIGINT set a flag; ``should_stop(step)`` makes all processes agree to stop.
-
-    Use::
-
-        with Preemption() as pre:
-            for step in range(start, end):
-                state = train_step(state, batch)
-                if pre.should_stop(step):
-                    ckpt.save(step, state, force=True); ckpt.wait_until_finished()
-                    sys.exit(EXIT_PREEMPTED)
-
-    ``should_stop`` must be called by every process at every step (it is collective every
-    `check_every` steps when there are several processes). It returns True at the first check
-    after any process received a signal, on every process at the same step, and keeps returning
-    True afterwards.
-    """
-
-    def __init__(
-        self,
-        signals: Iterable[int] = (signal.SIGTERM, signal.SIGINT),
-        *,
-        check_every: int = 1,
-    ):
-        if int(check_every) < 1:
-            raise ValueError(f"check_every={check_every} must be >= 1")
-        self.signals = tuple(signals)
-        self.check_every = int(check_every)
-        self._event = threading.Event()
-        self.received: int | None = None
-        self._previous: dict[int, Any] = {}
-        self._agreed = False
-
-    def _handler(self, signum, frame) -> None:
-        self.received = signum
-        self._event.set()
-
-    def install(self) -> Preemption:
-        """Install the handlers (main thread only; elsewhere a warning and no handler)."""
-        if threading.current_thread() is not threading.main_thread():
-            log.warning("preemption handlers not installed: not on the main thread")
-            return self
-        for s in self.signals:
-            self._previous[s] = signal.signal(s, self._handler)
-        return self
-
-    def uninstall(self) -> None:
-        """Restore the handlers that were in place before ``install``."""
-        for s, prev in self._previous.items():
-            signal.signal(s, prev if prev is not None else signal.SIG_DFL)
-        self._previous.clear()
-
-    def __enter__(self) -> Preemption:
-        return self.install()
-
-    def __exit__(self, *exc) -> None:
-        self.uninstall()
-
-    @property
-    def requested(self) -> bool:
-        """Whether this process has received a signal (local; not agreed)."""
-        return self._event.is_set()
-
-    def request(self) -> None:
-        """Set the flag as a signal would (e.g. from a health check or a test)."""
-        self._handler(None, None)
-
-    def should_stop(self, step: int) -> bool:
-        """True when all processes should save at `step` and exit (same answer everywhere)."""
-        if self._agreed:
-            return True
-        if jax.process_count() == 1:
-            self._agreed = self.requested
-            return self._agreed
-        if int(step) % self.check_every:
-            return False
-        from jax.experimental import multihost_utils
-
-        flags = multihost_utils.process_allgather(np.int32(self.requested))
-        self._agreed = bool(np.max(np.asarray(flags)) > 0)
-        return self._agreed
+def _path(keys) -> str:
+    """'opt_state/1/mu/embed' for a key path (dict keys, indices and attributes alike)."""
+    parts = []
+    for k in keys:
+        for attr in ("key", "idx", "name"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+        else:
+            parts.append(str(k))
+    return "/".join(parts)

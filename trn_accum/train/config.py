@@ -24,7 +24,7 @@ from typing import Any
 
 from trn_accum.core.accumulate import LOOPS as ACCUM_LOOPS
 from trn_accum.core.accumulate import REDUCES as GRAD_REDUCTIONS
-from trn_accum.core.sharding import check_axis_sizes, divisibility_error
+from trn_accum.core.sharding import check_axis_sizes
 from trn_accum.errors import UserError
 from trn_accum.model.fuji import RULES, ModelConfig
 from trn_accum.neuron.platform import DEVICE_BUDGET_GIB
@@ -98,6 +98,9 @@ class TrainerConfig:
     eval_every: int = 0  # 0 = never
     seed: int = 0  # parameter init and per-step RNG
     memory_budget_gib: float = DEVICE_BUDGET_GIB  # per device, for accum_steps = "auto"
+    # stop (exit 2) when this many steps in a row (all of them in a shorter run) were skipped
+    # as non-finite; 0 = never stop
+    stop_after_nonfinite: int = 100
 
 
 @dataclass(frozen=True)
@@ -142,6 +145,11 @@ def load_config(path: str | Path, overrides: Iterable[str] = ()) -> Config:
         raise ConfigError(f"config file {str(path)!r} cannot be read: {e.strerror}") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"config file {str(path)!r} is not UTF-8 text (byte {e.start}): pass a TOML config "
+            f"file such as configs/fuji-tiny.toml"
+        ) from None
     return config_from_dict(apply_overrides(raw, overrides))
 
 
@@ -357,26 +365,19 @@ def _check_config(cfg: Config) -> None:
     )
 
     _require(t.steps >= 1, "trainer.steps", t.steps, "must be >= 1")
-    # Necessary on any device count: the global batch splits into accum_steps minibatches,
-    # each sharded over the batch axes ("data", "fsdp"); an axis of -1 only multiplies them.
-    # The device-count check (with -1 resolved) is `trn_accum.train.step.check_batch`.
-    fixed = {a: s for a, s in (("data", mesh.data), ("fsdp", mesh.fsdp)) if s != -1}
-    shards = math.prod(fixed.values())
-    axes = " x ".join(f"{a} = {s}" for a, s in fixed.items()) or "none"
-    wild = [a for a in ("data", "fsdp") if getattr(mesh, a) == -1]
-    if wild:
-        axes += f"; mesh.{wild[0]} = -1 multiplies them by the device count"
     if t.accum_steps != "auto":
         _require(
             t.accum_steps >= 1, "trainer.accum_steps", t.accum_steps, 'must be >= 1, or "auto"'
         )
-    k = 1 if t.accum_steps == "auto" else t.accum_steps
-    error = divisibility_error(d.global_batch, k, shards)
-    if error:
-        raise ConfigError(
-            f"data.global_batch = {d.global_batch}: must be divisible by trainer.accum_steps "
-            f"({t.accum_steps}) x the batch shards of the mesh ({axes}): {error}"
-        )
+    # The global batch vs accum_steps x batch shards rule needs the mesh resolved on the
+    # devices (an axis of -1, a mesh that does not fit them): `trn_accum.train.step.check_batch`
+    # states it after `make_mesh`, so a mesh problem is reported as one first.
+    _require(
+        t.stop_after_nonfinite >= 0,
+        "trainer.stop_after_nonfinite",
+        t.stop_after_nonfinite,
+        "must be >= 0 (0 = never stop)",
+    )
     _require(t.log_every >= 1, "trainer.log_every", t.log_every, "must be >= 1")
     _require(t.eval_every >= 0, "trainer.eval_every", t.eval_every, "must be >= 0 (0 = never)")
     _require(

@@ -6,24 +6,20 @@ A batch is a dict of numpy arrays (host) or jax.Arrays (device), shapes [B, S]::
     target_labels  int32    the next token of each position
     target_mask    float32  1 for a real target, 0 on padding
 
-Two datasets share one interface, ``rows(step, row_indices, split) -> batch`` restricted to the
-given rows of the global batch of that step. The rows of step ``s`` depend only on
-``(seed, s)`` (and the global batch size the dataset was built for), so a resumed run sees
-exactly the batches it would have seen, and every process can build its own rows without
-reading anybody else's.
+Two datasets share one interface, ``rows(step, row_indices, split) -> batch``: the given rows
+of the global batch of that step, which depend only on ``(seed, s)`` (and the global batch
+size), so a resumed run sees the batches it would have seen and every process builds its own.
 
-- ``SyntheticDataset``: sequences from a fixed random first-order Markov chain (seeded), with
-  some rows cut short and padded, so the loss falls quickly and minibatches carry unequal
-  numbers of real tokens. No files.
-- ``TokenDataset``: a flat binary token file (uint16/uint32, read through ``np.memmap``) plus a
-  JSON sidecar and a document-offsets file, written by ``trn_accum.train.prepare``. Every
-  document is cut into windows of ``seq_len + 1`` tokens (consecutive windows share one token
-  so every target appears once); a document or last window shorter than that is padded with
-  ``target_mask`` 0. No packing across documents. A held-out set of documents forms the eval split.
+- ``SyntheticDataset``: a fixed random first-order Markov chain (seeded), some rows cut short
+  and padded (minibatches carry unequal numbers of real tokens). No files.
+- ``TokenDataset``: a flat token file (uint16/uint32, ``np.memmap``), a document-offsets file
+  and a JSON sidecar (read as possibly garbage: every field is checked), written by
+  ``trn_accum.train.prepare``. Documents are cut into windows of ``seq_len + 1`` tokens
+  (neighbours share one token); a short document or last window is padded (``target_mask``
+  0). No packing across documents. A held-out set of documents forms the eval split.
 
 ``global_batch`` assembles the global [B, S] arrays with
-``jax.make_array_from_process_local_data``: each process computes only the rows its
-addressable devices hold under the given sharding.
+``jax.make_array_from_process_local_data`` from the rows each process's devices hold.
 """
 
 from __future__ import annotations
@@ -197,13 +193,40 @@ def _resolve_meta_path(path: str) -> str:
     return os.path.join(path, META_FILE) if os.path.isdir(path) else path
 
 
-def read_meta(path: str) -> dict[str, Any]:
-    """Read and validate the JSON sidecar at `path` (a prepared directory or its meta.json).
+_META_INTS = {"vocab_size": 1, "eos_id": 0, "num_tokens": 0, "num_documents": 0}
+_META_OPTIONAL_INTS = {"max_token_id": -1, "pad_id": 0}
 
-    Returns the metadata dict with absolute ``tokens_path`` and ``offsets_path`` added. Checks
-    that both files exist and that the token file holds exactly ``num_tokens`` tokens of
-    ``dtype`` (a truncated or foreign file is a ``DataError``).
-    """
+
+def _check_meta_fields(meta: Any, meta_path: str) -> None:
+    """DataError for a missing field, or one of the wrong type or range (garbage, foreign)."""
+    fix = "re-run `trn-accum prepare-data`"
+    required = ("dtype", *_META_INTS)
+    if missing := [k for k in required if not isinstance(meta, dict) or k not in meta]:
+        raise DataError(f"token metadata {meta_path} lacks {', '.join(missing)}: {fix}")
+    if meta["dtype"] not in ("uint16", "uint32"):
+        raise DataError(f"token dtype {meta['dtype']!r} in {meta_path} is not uint16/uint32: {fix}")
+    bad = [
+        (k, v, f"an integer >= {low}")
+        for k, low in (*_META_INTS.items(), *_META_OPTIONAL_INTS.items())
+        if type(v := meta.get(k, low)) is not int or v < low
+    ]
+    bad += [
+        (k, v, "a file name beside it")
+        for k in ("tokens_file", "offsets_file")
+        if not isinstance(v := meta.get(k, "x"), str) or not v or os.path.basename(v) != v
+    ]
+    if bad:
+        key, value, rule = bad[0]
+        raise DataError(
+            f"token metadata {meta_path}: {key} = {value!r} is not {rule} (damaged or "
+            f"foreign file): {fix}"
+        )
+
+
+def read_meta(path: str) -> dict[str, Any]:
+    """The JSON sidecar at `path` (a prepared directory or its meta.json), validated (every
+    field; both files exist; the token file holds exactly ``num_tokens`` tokens of ``dtype``),
+    with absolute ``tokens_path`` and ``offsets_path`` added. DataError otherwise."""
     meta_path = _resolve_meta_path(path)
     if not os.path.exists(meta_path):
         raise DataError(
@@ -218,45 +241,28 @@ def read_meta(path: str) -> dict[str, Any]:
             f"token metadata {meta_path} is not readable JSON ({type(e).__name__}): "
             f"re-run `trn-accum prepare-data`"
         ) from None
-    required = ("dtype", "vocab_size", "eos_id", "num_tokens", "num_documents")
-    missing = [k for k in required if not isinstance(meta, dict) or k not in meta]
-    if missing:
-        raise DataError(
-            f"token metadata {meta_path} lacks {', '.join(missing)}: "
-            f"re-run `trn-accum prepare-data`"
-        )
-    if meta["dtype"] not in ("uint16", "uint32"):
-        raise DataError(
-            f"token dtype {meta['dtype']!r} in {meta_path} is not uint16 or uint32: "
-            f"re-run `trn-accum prepare-data`"
-        )
+    _check_meta_fields(meta, meta_path)
     base = os.path.dirname(os.path.abspath(meta_path))
     tokens_path = os.path.join(base, meta.get("tokens_file", TOKENS_FILE))
     offsets_path = os.path.join(base, meta.get("offsets_file", OFFSETS_FILE))
-    for p in (tokens_path, offsets_path):
-        if not os.path.exists(p):
-            raise DataError(
-                f"token data file {p} (named by {meta_path}) does not exist: re-run "
-                f"`trn-accum prepare-data` or restore the file"
-            )
-    itemsize = np.dtype(meta["dtype"]).itemsize
-    expected = int(meta["num_tokens"]) * itemsize
-    actual = os.path.getsize(tokens_path)
-    if actual != expected:
+    if missing := [p for p in (tokens_path, offsets_path) if not os.path.isfile(p)]:
+        raise DataError(
+            f"token data file {missing[0]} (named by {meta_path}) does not exist: re-run "
+            f"`trn-accum prepare-data` or restore the file"
+        )
+    expected = meta["num_tokens"] * np.dtype(meta["dtype"]).itemsize
+    if (actual := os.path.getsize(tokens_path)) != expected:
         raise DataError(
             f"token file {tokens_path} has {actual} bytes but {meta_path} says "
             f"{meta['num_tokens']} {meta['dtype']} tokens = {expected} bytes (truncated or "
             f"replaced): re-run `trn-accum prepare-data`"
         )
-    if int(meta["num_tokens"]) == 0 or int(meta["num_documents"]) == 0:
+    if meta["num_tokens"] == 0 or meta["num_documents"] == 0:
         raise DataError(
             f"token data {meta_path} is empty ({meta['num_tokens']} tokens, "
             f"{meta['num_documents']} documents): prepare it from non-empty text files"
         )
-    meta = dict(meta)
-    meta["tokens_path"] = tokens_path
-    meta["offsets_path"] = offsets_path
-    return meta
+    return {**meta, "tokens_path": tokens_path, "offsets_path": offsets_path}
 
 
 def check_vocab(meta: Mapping[str, Any], model_vocab: int) -> None:

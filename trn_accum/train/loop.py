@@ -6,8 +6,16 @@
 
 The batch of step s depends only on (data seed, s): a resumed run sees the batches it would
 have seen, so resuming from a checkpoint reproduces an uninterrupted run bit for bit.
-SIGTERM/SIGINT set a flag (`trn_accum.train.checkpoint.Preemption`); all processes agree on a
+SIGTERM/SIGINT set a flag (`trn_accum.train.preemption.Preemption`); all processes agree on a
 step, save it, and exit `EXIT_PREEMPTED`.
+
+The run dir is claimed for this job before anything in it is written, and the config is
+checked against the one the resumed checkpoint was trained with (`trn_accum.train.rundir`,
+`trn_accum.train.drift`).
+At every step boundary the processes agree, in one all-gather, on whether to stop: a signal
+(save, exit 75), a background checkpoint save that failed (exit 74, previous checkpoint
+intact), a lost claim, or the last `trainer.stop_after_nonfinite` steps (all of them in a
+shorter run) skipped as non-finite (exit 2).
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import dataclasses
 import functools
 import json
 import os
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -23,14 +32,21 @@ from typing import Any
 import jax
 
 from trn_accum.cluster import distributed
-from trn_accum.errors import EXIT_PREEMPTED
+from trn_accum.errors import EXIT_PREEMPTED, EXIT_SAVE_FAILED
 from trn_accum.model import fuji
 from trn_accum.neuron import platform
-from trn_accum.train import autok, step
+from trn_accum.train import autok, drift, rundir, step
 from trn_accum.train import data as data_lib
-from trn_accum.train.checkpoint import Checkpointer, Preemption, make_writable_dir
+from trn_accum.train.checkpoint import Checkpointer, CheckpointError, make_writable_dir
 from trn_accum.train.config import Config, config_to_dict, load_config
-from trn_accum.train.metrics import MetricsLogger, truncate_metrics
+from trn_accum.train.metrics import (
+    MetricsError,
+    MetricsLogger,
+    read_metrics,
+    trailing_skipped,
+    truncate_metrics,
+)
+from trn_accum.train.preemption import Preemption
 
 
 def resolve_accum_steps(cfg: Config, mesh: jax.sharding.Mesh) -> tuple[Config, Any]:
@@ -140,69 +156,132 @@ def run(
     run_dir: str,
     profile: tuple[int, int] | None = None,
     console=None,
+    allow_config_change: Sequence[str] = (),
 ) -> int:
     """Train (or resume) the run in `run_dir`. Returns 0, or EXIT_PREEMPTED after a save.
 
     `run_dir` holds `checkpoints/` (orbax; the newest committed one is resumed automatically),
-    `metrics.jsonl`, `config.json` and, with `profile=(start, stop)`, `profile/` (a
+    `metrics.jsonl`, `config.json`, `owner.json` while a trainer runs (`trn_accum.train.rundir`),
+    `config_changes.jsonl` once a change of a trajectory key was allowed
+    (`allow_config_change`: keys or sections) and, with `profile=(start, stop)`, `profile/` (a
     jax.profiler trace of the steps numbered start..stop-1, numbered as logged: from 1).
     """
     cfg = load_config(config_path, overrides)
+    allowed = drift.check_allowed_keys(allow_config_change, config_to_dict(Config()))
     # jax.distributed first: in a multi-process run it installs JAX's own SIGTERM notifier,
     # which would replace our handler if it came after it (then SIGTERM saves nothing).
     distributed.initialize()  # Slurm / Kubernetes / explicit env; the Neuron env on trn2
     # SIGTERM/SIGINT only set a flag from here on (restore and compile can take minutes on
     # trn2); the loop turns it into a save and EXIT_PREEMPTED.
     with Preemption() as pre:
-        return _run(cfg, pre, run_dir=run_dir, profile=profile, console=console)
+        return _run(cfg, pre, run_dir=run_dir, profile=profile, console=console, allowed=allowed)
 
 
-def _run(cfg: Config, pre, *, run_dir: str, profile, console) -> int:
+def _config_changes(cfg: Config, ckpt, at: int, run_dir: str, allowed: set[str], say) -> dict:
+    """The allowed trajectory changes against the config checkpoint `at` was trained with;
+    ConfigDriftError for any other."""
+    old, where = drift.recorded_config(run_dir, ckpt.read_metadata(at))
+    if old is None:
+        say(f"warning: no readable record of the run's config ({where}): not checked for drift")
+        return {}
+    changes = drift.trajectory_changes(old, config_to_dict(cfg), config_to_dict(Config()))
+    drift.check_drift(changes, allowed, run_dir=run_dir, step=at, record=where)
+    return changes
+
+
+def _run(cfg: Config, pre, *, run_dir: str, profile, console, allowed) -> int:
     _prepare_run_dir(run_dir)
-    trainer = Trainer.build(cfg)
+    trainer = Trainer.build(cfg)  # config, mesh and data errors before the run dir is touched
     cfg = trainer.cfg  # accum_steps = "auto" resolved
     main = jax.process_index() == 0
     total = cfg.trainer.steps
+    out = console if console is not None else sys.stdout
 
-    with Checkpointer(
-        os.path.join(run_dir, "checkpoints"),
-        save_every=cfg.checkpoint.every,
-        keep=cfg.checkpoint.keep,
-    ) as ckpt:
-        latest = ckpt.latest_step()
-        if latest is not None:
-            state, _ = ckpt.restore(trainer.restore_target())
-            start = int(state["step"])
-        else:
-            state, start = trainer.init(), 0
-        if main and start < total:
-            truncate_metrics(run_dir, start)
-            with open(os.path.join(run_dir, "config.json"), "w", encoding="utf-8") as f:
-                json.dump(config_to_dict(cfg), f, indent=2)
-        with MetricsLogger(
-            run_dir,
-            total_steps=total,
-            log_every=cfg.trainer.log_every,
-            enabled=main,
-            console=console,
-        ) as logger:
-            if trainer.autotune is not None:
-                logger.message(trainer.autotune.format())
+    def say(text: str) -> None:
+        if main:
+            print(text, file=out, flush=True)
+
+    claim = rundir.claim_for_job(run_dir, say=say)
+    try:
+        with Checkpointer(
+            os.path.join(run_dir, "checkpoints"),
+            save_every=cfg.checkpoint.every,
+            keep=cfg.checkpoint.keep,
+        ) as ckpt:
+            latest = ckpt.latest_step()
+            changes: dict = {}
             if latest is not None:
-                logger.message(f"resumed from {ckpt.step_path(latest)} (step {start})")
-            if start >= total:
-                logger.message(f"already at step {start} of {total}: nothing to do")
-                return 0
-            logger.message(
-                f"training {fuji.num_params(cfg.model):,} parameters on {jax.device_count()} "
-                f"{jax.default_backend()} devices, mesh {dict(trainer.mesh.shape)}, batch "
-                f"{cfg.data.global_batch} x {cfg.data.seq_len} in {cfg.trainer.accum_steps} "
-                f"minibatches, steps {start + 1}..{total}"
-            )
-            return _loop(trainer, state, start, ckpt, logger, run_dir, profile, pre)
+                changes = _config_changes(cfg, ckpt, latest, run_dir, allowed, say)
+                state, _ = ckpt.restore(trainer.restore_target(), latest)
+                start = int(state["step"])
+            else:
+                state, start = trainer.init(), 0
+            if main and start < total:
+                truncate_metrics(run_dir, start)
+                text = json.dumps(config_to_dict(cfg), indent=2)
+                rundir.write_atomic(os.path.join(run_dir, drift.CONFIG_FILE), text)
+                drift.log_changes(run_dir, start, changes)
+            with MetricsLogger(
+                run_dir,
+                total_steps=total,
+                log_every=cfg.trainer.log_every,
+                enabled=main,
+                console=console,
+            ) as logger:
+                if trainer.autotune is not None:
+                    logger.message(trainer.autotune.format())
+                if latest is not None:
+                    logger.message(f"resumed from {ckpt.step_path(latest)} (step {start})")
+                if changes and start < total:
+                    listed = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items())
+                    logger.message(
+                        f"config changed from step {start} on (allowed): {listed}; logged in "
+                        f"{os.path.join(run_dir, drift.CHANGES_FILE)}"
+                    )
+                if start >= total:
+                    logger.message(f"already at step {start} of {total}: nothing to do")
+                    return 0
+                logger.message(
+                    f"training {fuji.num_params(cfg.model):,} parameters on "
+                    f"{jax.device_count()} {jax.default_backend()} devices, mesh "
+                    f"{dict(trainer.mesh.shape)}, batch {cfg.data.global_batch} x "
+                    f"{cfg.data.seq_len} in {cfg.trainer.accum_steps} minibatches, steps "
+                    f"{start + 1}..{total}"
+                )
+                return _loop(trainer, state, start, ckpt, logger, run_dir, profile, pre, claim)
+    finally:
+        if claim is not None:
+            claim.release()
 
 
-def _loop(trainer: Trainer, state, start: int, ckpt, logger, run_dir: str, profile, pre) -> int:
+def _nonfinite_error(cfg: Config, done: int, count: int, ckpt) -> step.TrainError:
+    steps = ckpt.committed_steps()
+    newest = ckpt.step_path(steps[-1]) if steps else "none yet"
+    data = cfg.data.path if cfg.data.kind == "tokens" else "synthetic"
+    return step.TrainError(
+        f"step {done}: the last {count} steps ({done - count + 1}..{done}) were all skipped as "
+        f"non-finite (loss or gradient norm NaN/inf; trainer.stop_after_nonfinite = "
+        f"{cfg.trainer.stop_after_nonfinite}): check optimizer.peak_lr "
+        f"({cfg.optimizer.peak_lr}), the data ({data}), model.compute_dtype "
+        f"({cfg.model.compute_dtype}) and model.init_std ({cfg.model.init_std}); newest "
+        f"checkpoint: {newest}"
+    )
+
+
+def _check_problems(pre, failure, claim) -> None:
+    """Raise for a failed save or a lost claim that some process reported at this boundary."""
+    if "save_failed" in pre.problems:
+        raise failure or CheckpointError(
+            "a checkpoint save failed on another process (see its error): fix the storage, "
+            "then run the same command again to resume",
+            exit_code=EXIT_SAVE_FAILED,
+        )
+    if "claim_lost" in pre.problems:
+        lost = claim.lost if claim is not None else None
+        raise rundir.RunDirError(lost or "process 0 lost the run dir's claim: see its error")
+
+
+def _loop(trainer: Trainer, state, start: int, ckpt, logger, run_dir, profile, pre, claim) -> int:
     cfg = trainer.cfg
     total = cfg.trainer.steps
     flops = step.flops_per_step(cfg)["total"]
@@ -210,6 +289,15 @@ def _loop(trainer: Trainer, state, start: int, ckpt, logger, run_dir: str, profi
     n_dev = jax.device_count()
     tokens = cfg.data.global_batch * cfg.data.seq_len
     meta = {"config": config_to_dict(cfg)}
+    window = cfg.trainer.stop_after_nonfinite
+    limit = min(window, total) if window else 0  # all of the run's steps when it is shorter
+    in_a_row = 0
+    if limit and start:
+        try:
+            in_a_row = trailing_skipped(read_metrics(run_dir), start)
+        except MetricsError:
+            in_a_row = 0
+    skipped = int(jax.device_get(state["skipped"]))
 
     t0 = time.perf_counter()
     compiled = trainer.program.compiled
@@ -238,21 +326,38 @@ def _loop(trainer: Trainer, state, start: int, ckpt, logger, run_dir: str, profi
         if tracing and (done + 1 >= profile[1] or done == total):
             jax.profiler.stop_trace()
             tracing = False
+        in_a_row = in_a_row + 1 if int(m["skipped_steps"]) > skipped else 0
+        skipped = int(m["skipped_steps"])
         record = {
             "loss": float(m["loss"]),
             "grad_norm": float(m["grad_norm"]),
             "lr": float(m["lr"]),
             "tokens_per_s": tokens / dt,
             "step_time_s": dt,
-            "skipped_steps": int(m["skipped_steps"]),
+            "skipped_steps": skipped,
             "target_tokens": float(m["target_tokens"]),
         }
         if peak:
             record["mfu"] = flops / dt / (peak * n_dev)
-        logger.log_train(done, record)
+        failure = ckpt.background_failure()
+        if failure is None:  # else the disk that failed the save would fail this write too
+            try:
+                logger.log_train(done, record)
+            except MetricsError:
+                ckpt.wait_until_finished()  # a failed background save (full disk) is the cause
+                raise
+        stop = pre.should_stop(
+            done,
+            save_failed=failure is not None,
+            claim_lost=claim is not None and claim.lost is not None,
+            nonfinite=bool(limit) and in_a_row >= limit,
+        )
+        _check_problems(pre, failure, claim)
+        if "nonfinite" in pre.problems:
+            raise _nonfinite_error(cfg, done, in_a_row, ckpt)
         if cfg.trainer.eval_every and done % cfg.trainer.eval_every == 0:
             logger.log_eval(done, {"eval_loss": trainer.evaluate(state["params"])})
-        if pre.should_stop(done):
+        if stop and pre.preempted:
             ckpt.save(done, state, metadata=meta, force=True)
             ckpt.wait_until_finished()
             logger.message(

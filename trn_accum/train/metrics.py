@@ -4,8 +4,11 @@ One JSON object per line in `metrics.jsonl`: `{"step": int, "kind": "train" | "e
 `step` is the number of optimizer steps completed when the record was made (the first train
 record is step 1; its loss is that of the initial parameters on the batch of step index 0).
 Lines are flushed as written, so a killed process leaves only complete lines (at most the last
-one torn, which readers skip). On resume the file is cut back to the resumed step, so the file
-always describes one trajectory.
+one torn). Readers take the file as possibly torn or garbage (a torn write on a network
+filesystem, foreign bytes): a line that is not UTF-8, not JSON or not a record is skipped. On
+resume the file is cut back to the resumed step and rewritten with one record per (kind, step),
+in step order, so the file always describes one trajectory. A metrics file that cannot be read
+or written (a directory in its place, a full disk) is a one-line `MetricsError`.
 
 Console: on a terminal, a progress bar rewritten in place; otherwise (Slurm / Kubernetes log
 files) one plain line every `log_every` steps, plus the first and the last.
@@ -21,9 +24,15 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import IO, Any
 
-from trn_accum.errors import UserError
+from trn_accum.errors import EXIT_SAVE_FAILED, UserError
 
 METRICS_FILE = "metrics.jsonl"
+KINDS = ("train", "eval")
+
+
+class MetricsError(UserError):
+    """The metrics file cannot be read or written: one line naming it and the cause."""
+
 
 # Console order and format of the known train metrics; others are printed after them.
 _CONSOLE = (
@@ -46,37 +55,82 @@ def _jsonable(v: Any) -> Any:
     return v
 
 
-def read_metrics(run_dir_or_file: str | os.PathLike) -> list[dict]:
-    """All complete records, in file order; a torn or invalid line is skipped."""
+def metrics_path(run_dir_or_file: str | os.PathLike) -> str:
+    """RUN_DIR/metrics.jsonl for a run dir (a directory that is not itself named
+    metrics.jsonl), else the path itself."""
     path = os.fspath(run_dir_or_file)
-    if os.path.isdir(path):
+    if os.path.isdir(path) and os.path.basename(os.path.normpath(path)) != METRICS_FILE:
         path = os.path.join(path, METRICS_FILE)
-    records = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(rec, dict) and isinstance(rec.get("step"), int):
-                records.append(rec)
-    return records
+    return path
+
+
+def _check_file(path: str) -> None:
+    if os.path.isdir(path):
+        raise MetricsError(
+            f"{path} is a directory, not the metrics file: move it aside (the run's metrics "
+            f"start again from the resumed step)"
+        )
+
+
+def _parse_line(raw: bytes) -> dict | None:
+    try:
+        rec = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        return None
+    ok = isinstance(rec, dict) and type(rec.get("step")) is int and rec["step"] >= 0
+    return rec if ok and rec.get("kind", "train") in KINDS else None
+
+
+def read_metrics(run_dir_or_file: str | os.PathLike) -> list[dict]:
+    """All complete records, in file order; a torn, undecodable or invalid line is skipped.
+    MetricsError when the file is a directory or cannot be read."""
+    path = metrics_path(run_dir_or_file)
+    _check_file(path)
+    try:
+        with open(path, "rb") as f:
+            lines = f.read().split(b"\n")
+    except OSError as e:
+        raise MetricsError(f"cannot read {path} ({e.strerror}): fix its permissions") from None
+    return [rec for line in lines if line.strip() and (rec := _parse_line(line)) is not None]
 
 
 def truncate_metrics(run_dir: str | os.PathLike, keep_through_step: int) -> None:
-    """Drops records with step > `keep_through_step` (and torn lines), atomically."""
+    """Keeps the records with step <= `keep_through_step`, the last one of each (kind, step),
+    in step order (train before eval), dropping torn lines; atomically (a rename)."""
     path = os.path.join(os.fspath(run_dir), METRICS_FILE)
-    if not os.path.exists(path):
+    if not os.path.lexists(path):
         return
-    kept = [r for r in read_metrics(path) if r["step"] <= keep_through_step]
+    last: dict[tuple[int, str], dict] = {}
+    for r in read_metrics(path):
+        if r["step"] <= keep_through_step:
+            last[(r["step"], r.get("kind", "train"))] = r
+    kept = [last[k] for k in sorted(last, key=lambda k: (k[0], KINDS.index(k[1])))]
     tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        for r in kept:
-            f.write(json.dumps(r) + "\n")
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            for r in kept:
+                f.write(json.dumps(r) + "\n")
+        os.replace(tmp, path)
+    except OSError as e:
+        raise MetricsError(
+            f"cannot rewrite {path} ({e.strerror}): free space or fix the run dir's storage",
+            exit_code=EXIT_SAVE_FAILED,
+        ) from None
+
+
+def trailing_skipped(records: Iterable[dict], through_step: int) -> int:
+    """How many train steps up to `through_step` in a row, ending there, were skipped as
+    non-finite (their cumulative `skipped_steps` rose by one); 0 where the record is missing."""
+    skipped = {
+        r["step"]: r["skipped_steps"]
+        for r in records
+        if r.get("kind", "train") == "train" and type(r.get("skipped_steps")) is int
+    }
+    skipped.setdefault(0, 0)
+    n, s = 0, int(through_step)
+    while s >= 1 and s in skipped and s - 1 in skipped and skipped[s] - skipped[s - 1] == 1:
+        n, s = n + 1, s - 1
+    return n
 
 
 def _fmt(key: str, value: Any, spec: str) -> str:
@@ -132,8 +186,15 @@ class MetricsLogger:
         self._bar_open = False
         if not enabled:
             return
-        os.makedirs(self.run_dir, exist_ok=True)
-        self._file = open(os.path.join(self.run_dir, METRICS_FILE), "a", encoding="utf-8")
+        path = os.path.join(self.run_dir, METRICS_FILE)
+        _check_file(path)
+        try:
+            os.makedirs(self.run_dir, exist_ok=True)
+            self._file = open(path, "a", encoding="utf-8")
+        except OSError as e:
+            raise MetricsError(
+                f"cannot open {path} ({e.strerror}): pass a writable --run-dir"
+            ) from None
         if tensorboard:
             try:
                 from tensorboardX import SummaryWriter
@@ -148,8 +209,16 @@ class MetricsLogger:
         rec = {"step": int(step), "kind": kind, "time": round(time.time(), 3)}
         rec.update({k: _jsonable(v) for k, v in metrics.items()})
         if self._file is not None:
-            self._file.write(json.dumps(rec) + "\n")
-            self._file.flush()
+            try:
+                self._file.write(json.dumps(rec) + "\n")
+                self._file.flush()
+            except OSError as e:
+                path = os.path.join(self.run_dir, METRICS_FILE)
+                raise MetricsError(
+                    f"cannot write {path} ({e.strerror}): free space or fix the run dir's storage, "
+                    f"then run the same command again to resume",
+                    exit_code=EXIT_SAVE_FAILED,
+                ) from None
         if self._tb is not None:
             for k, v in rec.items():
                 if k not in ("step", "kind", "time") and isinstance(v, int | float):
@@ -203,7 +272,10 @@ class MetricsLogger:
     def close(self) -> None:
         self._newline()
         if self._file is not None:
-            self._file.close()
+            try:
+                self._file.close()
+            except OSError:
+                pass  # a failed write was reported as a MetricsError
             self._file = None
         if self._tb is not None:
             self._tb.close()
@@ -236,7 +308,7 @@ def _series(records: Iterable[dict], kind: str, key: str) -> tuple[list[int], li
 def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None) -> str:
     """Loss (train, eval), learning rate and gradient norm vs step, to a PNG; returns its path."""
     path = os.path.join(os.fspath(run_dir), METRICS_FILE)
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):
         raise PlotError(f"no {METRICS_FILE} in run dir {os.fspath(run_dir)!r}: train into it first")
     records = read_metrics(path)
     if not any(r.get("kind", "train") == "train" for r in records):

@@ -73,10 +73,18 @@ class _HFTokenizer:
         return np.asarray(ids, dtype=np.uint32)
 
 
-def _documents(path: str):
-    """Yield the documents of one text file: the whole file, or one per JSONL line's "text"."""
+def _check_text_file(path: str) -> None:
+    if os.path.isdir(path):
+        raise DataError(
+            f"text file {path} is a directory: pass the text files in it (e.g. {path}/*.txt)"
+        )
     if not os.path.isfile(path):
         raise DataError(f"text file {path} does not exist: pass existing text files")
+
+
+def _documents(path: str):
+    """Yield the documents of one text file: the whole file, or one per JSONL line's "text"."""
+    _check_text_file(path)
     try:
         with open(path, encoding="utf-8") as f:
             if path.endswith(".jsonl"):
@@ -113,8 +121,7 @@ def prepare_data(text_files: list[str], out_dir: str, tokenizer: str = "bytes") 
         raise DataError("no text files given: pass one or more text files to prepare")
     tok = _BytesTokenizer() if tokenizer == "bytes" else _HFTokenizer(tokenizer)
     for p in text_files:
-        if not os.path.isfile(p):
-            raise DataError(f"text file {p} does not exist: pass existing text files")
+        _check_text_file(p)
     dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
     try:
         os.makedirs(out_dir, exist_ok=True)
@@ -138,17 +145,27 @@ def prepare_data(text_files: list[str], out_dir: str, tokenizer: str = "bytes") 
                     out.write(ids.astype(dtype).tobytes())
                     offsets.append(offsets[-1] + int(ids.size))
     except OSError as e:
+        _remove(tmp_tokens)
         raise DataError(
             f"cannot write {tmp_tokens} ({e.strerror}): choose a writable --out"
         ) from None
+    except BaseException:  # a bad document, Ctrl-C: no half-written token file is left
+        _remove(tmp_tokens)
+        raise
     if len(offsets) == 1:
-        os.remove(tmp_tokens)
+        _remove(tmp_tokens)
         raise DataError(
             f"the corpus {list(text_files)} is empty (no non-empty document): pass text files "
             f"with content"
         )
-    os.replace(tmp_tokens, tokens_path)
-    np.save(os.path.join(out_dir, OFFSETS_FILE), np.asarray(offsets, dtype=np.int64))
+    try:
+        os.replace(tmp_tokens, tokens_path)
+        np.save(os.path.join(out_dir, OFFSETS_FILE), np.asarray(offsets, dtype=np.int64))
+    except OSError as e:
+        _remove(tmp_tokens)
+        raise DataError(
+            f"cannot write into {out_dir} ({e.strerror}): choose a writable --out"
+        ) from None
     meta = {
         "format": FORMAT,
         "dtype": np.dtype(dtype).name,
@@ -164,7 +181,20 @@ def prepare_data(text_files: list[str], out_dir: str, tokenizer: str = "bytes") 
         "sources": [os.path.abspath(p) for p in text_files],
     }
     meta_path = os.path.join(out_dir, META_FILE)
-    with open(meta_path + ".tmp", "w", encoding="utf-8") as f:
-        json.dump(meta, f, indent=2)
-    os.replace(meta_path + ".tmp", meta_path)
+    try:
+        with open(meta_path + ".tmp", "w", encoding="utf-8") as f:
+            json.dump(meta, f, indent=2)
+        os.replace(meta_path + ".tmp", meta_path)
+    except OSError as e:
+        _remove(meta_path + ".tmp")
+        raise DataError(
+            f"cannot write {meta_path} ({e.strerror}): choose a writable --out"
+        ) from None
     return meta
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:
+        pass

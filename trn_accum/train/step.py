@@ -103,11 +103,16 @@ def check_batch(cfg: Config, mesh: jax.sharding.Mesh, global_batch: int | None =
     if error:
         valid = valid_steps(b, shards)
         hint = (
-            f"valid accum_steps: {list(valid[:8])}"
+            f"valid accum_steps on this mesh: {list(valid[:8])}"
             if valid
-            else "change data.global_batch or the mesh"
+            else f"no accum_steps works: make data.global_batch a multiple of {k * shards}"
         )
-        shape = " x ".join(f"{a} {mesh.shape.get(a, 1)}" for a in BATCH_AXES)
+        wild = {a for a, n in cfg.mesh.axes().items() if n == -1}
+        shape = " x ".join(
+            f"{a} {mesh.shape.get(a, 1)}"
+            + (" (mesh." + a + " = -1: all devices left)" if a in wild else "")
+            for a in BATCH_AXES
+        )
         raise TrainError(
             f"data.global_batch = {b} is not divisible by accum_steps ({k}) x batch shards "
             f"({shape} = {shards} on {mesh.size} devices) = {k * shards}: {hint}"
