@@ -2,7 +2,6 @@
 
 import functools
 import re
-from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -162,109 +161,39 @@ def test_blockwise_and_chunked_loss_inside_accumulation_wrapper():
 
 
 # ----------------------------------------------------------------------------------------------
-# neuron_flash: the layout adapter with pure-JAX stand-ins that follow the kernels' documented
-# signatures and layouts (neuronxcc.nki.kernels.attention flash_fwd / flash_attn_bwd).
+# neuron_flash: the layout adapter with the pure-JAX stand-ins of the NKI Library training pair
+# (attention_cte with cache_softmax, attention_bwd), which follow the kernels' documented IO.
 # ----------------------------------------------------------------------------------------------
 
 
-class _GridKernel:
-    """Like an nki.jit kernel: launched as kernel[grid](*args, **kwargs); records the grids."""
-
-    def __init__(self, fn):
-        self.fn, self.grids = fn, []
-
-    def __getitem__(self, grid):
-        self.grids.append(tuple(grid))
-        return functools.partial(self.fn, grid=tuple(grid))
-
-
-def _causal(s):
-    return jnp.tril(jnp.ones((s, s), bool))
-
-
-def _fake_flash_fwd(
-    q,
-    k,
-    v,
-    seed,
-    logit_bias=None,
-    softmax_scale=None,
-    use_causal_mask=True,
-    mixed_precision=True,
-    dropout_p=0.0,
-    config=None,
-    *,
-    grid,
-):
-    """q (b,h,d,s), k (b,kvh,d,s), v (b,kvh,s,d) -> o (b,h,s,d), lse (b,h,128,s/128)."""
-    b, h, d, s = q.shape
-    kvh = k.shape[1]
-    assert grid == (b, kvh), grid  # GQA: launched over KV heads
-    assert k.shape == (b, kvh, d, s) and v.shape == (b, kvh, s, d), (k.shape, v.shape)
-    assert q.dtype == k.dtype == v.dtype and seed.shape == (1,)
-    assert s % (2048 if config is None else config.seq_tile_size) == 0, s
-    assert use_causal_mask and dropout_p == 0.0 and logit_bias is None
-    scale = softmax_scale or d**-0.5
-    kr, vr = jnp.repeat(k, h // kvh, axis=1), jnp.repeat(v, h // kvh, axis=1)
-    scores = jnp.einsum("bhdq,bhdk->bhqk", q, kr) * scale
-    scores = jnp.where(_causal(s), scores, -jnp.inf)
-    lse = jax.nn.logsumexp(scores, axis=-1)  # (b, h, s)
-    o = jnp.einsum("bhqk,bhkd->bhqd", jnp.exp(scores - lse[..., None]), vr).astype(q.dtype)
-    lse_tiles = lse.reshape(b, h, s // 128, 128).transpose(0, 1, 3, 2)  # [.., p, i] = i*128+p
-    return o, lse_tiles
-
-
-def _fake_flash_attn_bwd(
-    q_ref,
-    k_ref,
-    v_ref,
-    o_ref,
-    dy_ref,
-    lse_ref,
-    seed_ref,
-    logit_bias_ref=None,
-    use_causal_mask=False,
-    mixed_precision=False,
-    dropout_p=0.0,
-    softmax_scale=None,
-    *,
-    grid,
-):
-    """All of q, k, v, o, dy (b, h, d, s); returns dq, dk, dv (b, h, d, s). Uses the given lse."""
-    b, h, d, s = q_ref.shape
-    assert grid == (b, h), grid
-    for x in (k_ref, v_ref, o_ref, dy_ref):
-        assert x.shape == (b, h, d, s) and x.dtype == q_ref.dtype, x.shape
-    assert lse_ref.shape == (b, h, 128, s // 128) and seed_ref.shape == (1,)
-    assert use_causal_mask and dropout_p == 0.0 and logit_bias_ref is None
-    scale = softmax_scale or d**-0.5
-    lse = lse_ref.transpose(0, 1, 3, 2).reshape(b, h, s)
-    scores = jnp.einsum("bhdq,bhdk->bhqk", q_ref, k_ref) * scale
-    p = jnp.where(_causal(s), jnp.exp(scores - lse[..., None]), 0.0)
-    delta = jnp.sum(dy_ref * o_ref, axis=2)  # (b, h, s_q)
-    dv = jnp.einsum("bhqk,bhdq->bhdk", p, dy_ref)
-    ds = p * (jnp.einsum("bhdq,bhdk->bhqk", dy_ref, v_ref) - delta[..., None])
-    dq = jnp.einsum("bhqk,bhdk->bhdq", ds, k_ref) * scale
-    dk = jnp.einsum("bhqk,bhdq->bhdk", ds, q_ref) * scale
-    return dq, dk, dv
-
-
-def _stand_ins():
-    return {
-        "flash_fwd": _GridKernel(_fake_flash_fwd),
-        "flash_attn_bwd": _GridKernel(_fake_flash_attn_bwd),
-        "config": SimpleNamespace(seq_tile_size=512, training=True),  # like FlashConfig
-    }
-
-
-def test_nki_adapter_with_stand_ins_equals_blockwise():
-    q, k, v, ct = _inputs(s=40, seed=3)  # 40 is padded to the 512 tile, GQA 4:2
-    kernels = _stand_ins()
-    got = _out_and_grads(functools.partial(nki_flash_attention, **kernels), q, k, v, ct)
+@pytest.mark.parametrize("lnc", [1, 2])
+def test_nki_adapter_with_stand_ins_equals_blockwise(lnc):
+    """Output and gradients equal blockwise; S=40 is padded to 128 (causal hides it); GQA 4:2;
+    both kernels launched once each with the 1-D LNC grid."""
+    q, k, v, ct = _inputs(s=40, seed=3)
+    kernels = nki_kernels.reference_kernels()
+    fn = functools.partial(nki_flash_attention, fwd=kernels["fwd"], bwd=kernels["bwd"], lnc=lnc)
+    got = _out_and_grads(fn, q, k, v, ct)
     want = _out_and_grads(functools.partial(blockwise_attention, block_size=16), q, k, v, ct)
     _assert_close(got, want)
-    assert kernels["flash_fwd"].grids == [(B, KV)]
-    assert kernels["flash_attn_bwd"].grids == [(B, H)]
+    assert kernels["fwd"].grids == [lnc] and kernels["bwd"].grids == [lnc]
+
+
+def test_reference_fwd_statistics_follow_the_documented_tiles():
+    """attention_cte's cached softmax statistics: query g*128 + p at [..., p, g]; -max and 1/sum
+    of the scaled causal scores, so -neg_max - log(recip) is the log-sum-exp."""
+    n, s, d = 3, 200, 8
+    q, k, v = jax.random.normal(jax.random.key(7), (3, n, s, d))
+    out, neg_max, recip = nki_kernels.reference_kernels()["fwd"](
+        q, k.transpose(0, 2, 1), v, scale=0.5, tp_q=True, tp_k=False, cache_softmax=True
+    )
+    scores = jnp.einsum("nqd,nkd->nqk", q, k) * 0.5
+    scores = jnp.where(jnp.tril(jnp.ones((s, s), bool)), scores, -jnp.inf)
+    lse = jax.nn.logsumexp(scores, axis=-1)
+    assert neg_max.shape == recip.shape == (n, 128, 2)
+    got = (-neg_max - jnp.log(recip)).transpose(0, 2, 1).reshape(n, 256)[:, :s]
+    np.testing.assert_allclose(got, lse, rtol=1e-5)
+    np.testing.assert_allclose(out, jax.nn.softmax(scores, axis=-1) @ v, rtol=1e-5, atol=1e-6)
 
 
 @pytest.fixture(scope="module")
@@ -274,29 +203,28 @@ def sharded_reference():
 
 
 @pytest.mark.parametrize("axis_type", ["Explicit", "Auto"])
-def test_neuron_flash_dispatch_shards_over_mesh(monkeypatch, sharded_reference, axis_type):
-    """attention(impl="neuron_flash", mesh=...) runs the kernels per device: batch over
-    data x fsdp, heads over model; equal to blockwise on the whole arrays."""
-    kernels = _stand_ins()
-    monkeypatch.setattr(nki_kernels, "load_nki_flash_kernels", lambda: kernels)
+def test_neuron_flash_dispatch_shards_over_mesh(sharded_reference, axis_type):
+    """attention(impl="neuron_flash", mesh=...) runs the kernels per device (batch over
+    data x fsdp, heads over model), equal to blockwise on the whole arrays; `substitute` is how
+    the dry-run and neuron-check run it off-Neuron."""
     axis_types = (getattr(jax.sharding.AxisType, axis_type),) * 3
     mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "model"), axis_types)
     (q, k, v, ct), want = sharded_reference
     fn = functools.partial(attention, impl="neuron_flash", mesh=mesh)
-    _assert_close(_out_and_grads(fn, q, k, v, ct), want)
-    assert kernels["flash_fwd"].grids == [(1, KV // 2)]  # per-device shard: 4/4 rows, 2/2 KV
-    assert kernels["flash_attn_bwd"].grids == [(1, H // 2)]
+    with nki_kernels.substitute(nki_kernels.reference_kernels()) as kernels:
+        _assert_close(_out_and_grads(fn, q, k, v, ct), want)
+    assert kernels["fwd"].grids == [2] and kernels["bwd"].grids == [2]  # the default LNC
 
 
 def test_neuron_flash_without_sdk_is_one_line_error():
     q, k, v, _ = _inputs()
     try:
-        import neuronxcc.nki.kernels.attention  # noqa: F401
-    except Exception:
+        nki_kernels.load_nki_attention_kernels()
+    except ValueError:
         pass
-    else:  # a Neuron machine: the kernel imports, the error path does not apply
+    else:  # a Neuron machine: the kernels import, the error path does not apply
         return
-    with pytest.raises(ValueError, match=r"\[neuron\].*attention='blockwise'") as err:
+    with pytest.raises(ValueError, match=r"NKI Library.*attention='blockwise'") as err:
         attention(q, k, v, impl="neuron_flash")
     assert "\n" not in str(err.value)
 

@@ -256,9 +256,10 @@ def neuron_devices_per_process(env: Mapping[str, str]) -> int:
         )
     if env.get("NEURON_RT_VISIBLE_CORES"):
         return _count_cores(env["NEURON_RT_VISIBLE_CORES"])
-    lnc = _int("NEURON_LOGICAL_NC_CONFIG", env.get("NEURON_LOGICAL_NC_CONFIG") or "2", minimum=1)
-    if lnc not in platform.LNC_VALUES:
-        raise LaunchError(f"NEURON_LOGICAL_NC_CONFIG={lnc} must be 1 or 2 on trn2")
+    try:
+        lnc = platform.lnc_setting(env)
+    except ValueError as e:
+        raise LaunchError(str(e)) from None
     return platform.devices_per_node(lnc)
 
 

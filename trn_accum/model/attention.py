@@ -14,11 +14,11 @@ Implementations (`attention(..., impl=...)`):
   q, k, v, the output and the float32 log-sum-exp and recomputes each block's scores in the
   backward pass, so neither direction holds an [S, S] buffer: memory grows with S * block.
   GQA without repeating K/V heads. Any S (padded internally to a multiple of the block, masked).
-- "neuron_flash": the Neuron SDK NKI flash-attention kernels (`flash_fwd`/`flash_attn_bwd` from
-  `neuronxcc.nki.kernels.attention`) in a custom VJP; the layout adaptation is
-  `nki_flash_attention`, which takes the kernels as arguments (unit-tested on CPU with pure-JAX
-  stand-ins). No `kv_mask` (the kernels take none); causal masking alone already hides
-  right-padding from every real token.
+- "neuron_flash": the Neuron SDK's NKI Library training kernels (`attention_cte` forward with
+  cached softmax statistics, `attention_bwd`; `nki` namespace) in a custom VJP, launched on the
+  job's logical-core grid; the adapter is `trn_accum.neuron.kernels` (unit-tested on CPU with
+  pure-JAX stand-ins of the kernels' documented IO). No `kv_mask` (the kernels take none);
+  causal masking alone already hides right-padding from every real token.
 
 A query that sees no key at all (every causally visible key masked by `kv_mask`) has no defined
 output: "plain" returns the mean of all values, "blockwise" returns zeros (and zero gradients).

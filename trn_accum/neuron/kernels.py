@@ -1,16 +1,36 @@
-"""The NKI flash-attention adapter: layouts, launch grids, custom VJP, per-device mapping.
+"""The NKI flash-attention adapter: kernel loading, layouts, LNC launch, custom VJP, per device.
 
-`flash_attention(q, k, v)` is what `attention(..., impl="neuron_flash")` runs. The kernels
-themselves come from the Neuron SDK (`load_nki_flash_kernels`); everything JAX-side (the layout
-transposes, the GQA handling, the custom VJP and the `shard_map` over the mesh) is here and is
-unit-tested on CPU with pure-JAX stand-ins that follow the kernels' documented shapes.
+`flash_attention(q, k, v)` is what `attention(..., impl="neuron_flash")` runs. The kernels are
+the Neuron SDK's NKI Library training pair, written in the current `nki` namespace (`import
+nki`, `nki.language`, `nki.jit`):
 
-Importing this module imports no Neuron package.
+- forward: `nkilib.core.attention.attention_cte` with `cache_softmax=True` (its softmax
+  statistics are what the backward needs);
+- backward: `nkilib.core.attention.attention_bwd`.
+
+Sources: the NKI Library kernel reference (awsdocs-neuron, nki/library/api/attention-cte) and
+the kernels' source (github.com/aws-neuron/nki-library, src/nkilib_src/nkilib/core/attention/
+attention_cte.py and attention_bwd.py). The legacy kernel namespace inside the neuronx-cc
+package (the old `flash_fwd`/`flash_attn_bwd`) is a compile error from Neuron SDK 2.30 and
+removed in 2.34 (NKI release notes); nothing here imports it.
+
+LNC. Both kernels take a 1-D SPMD grid of at most 2 programs and split their work over it
+themselves, so they are launched as `kernel[lnc](...)`, `lnc` the job's logical-core size
+(`platform.lnc_setting()`, the value `NEURON_LOGICAL_NC_CONFIG` gives the runtime): at LNC=2
+both physical cores of a logical core work (nki.jit reference: the bracket LNC must match
+`NEURON_LOGICAL_NC_CONFIG`). The old per-head grids (`[b, kv_heads]`) do not carry over.
+
+Everything JAX-side (transposes, GQA folding, the log-sum-exp, the custom VJP, `shard_map`) is
+unit-tested on CPU through `reference_kernels()`: pure-JAX stand-ins with the kernels'
+documented signatures and layouts. The dry-run and `neuron-check` use them where the kernels
+are absent, and say so. Importing this module imports no Neuron package.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import importlib
 import math
 
 import jax
@@ -18,91 +38,245 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from trn_accum.neuron import platform
+
 NEURON_EXTRA_HINT = (
-    "install the [neuron] extra (pip install 'trn_accum[neuron]' with "
-    "--extra-index-url https://pip.repos.neuron.amazonaws.com) or use attention='blockwise'"
+    "run in the AWS Neuron JAX container (SDK 2.32+, which ships nki and the NKI Library), or "
+    "use attention='blockwise'"
 )
+#: Where the kernels live, newest layout first (module, forward name, backward name).
+KERNEL_MODULES = (
+    ("nkilib.core.attention", "attention_cte", "attention_bwd"),
+    ("nkilib.core", "attention_cte", "attention_bwd"),
+)
+LSE_TILE = 128  # the kernels' softmax-statistics tile (nl.tile_size.pmax): queries per row
+MAX_HEAD_DIM = 128
 
 
-def load_nki_flash_kernels():
-    """The NKI kernels as keyword arguments of `nki_flash_attention`, or a one-line ValueError.
+def _load_from(module: str, fwd: str, bwd: str) -> dict:
+    """{"fwd", "bwd"} from `module`'s submodules or attributes; ImportError when absent."""
+    found = {}
+    for key, name in (("fwd", fwd), ("bwd", bwd)):
+        try:
+            found[key] = getattr(importlib.import_module(f"{module}.{name}"), name)
+        except ModuleNotFoundError:
+            found[key] = getattr(importlib.import_module(module), name)
+    return found
 
-    {"flash_fwd": ..., "flash_attn_bwd": ...}: `nki.jit` kernels launched with an SPMD grid,
-    `kernel[grid](*args, **kwargs)`. Caveat (Neuron release notes): the legacy `neuronxcc.nki`
-    namespace these kernels are written in is rejected by the NKI compiler from SDK 2.28 and
-    removed from neuronx-cc in 2.34; kernels with the same signatures from the `nki` namespace
-    can be passed to `nki_flash_attention` directly.
-    """
+
+def load_nki_attention_kernels() -> dict:
+    """The NKI Library training pair as {"fwd": attention_cte, "bwd": attention_bwd} (`nki.jit`
+    kernels), or a one-line ValueError naming what did not import and the fix."""
+    errors = []
     try:
-        from neuronxcc.nki.kernels.attention import flash_attn_bwd, flash_fwd
-    except Exception as err:  # ImportError, or the PyPI placeholder packages raising on import
-        raise ValueError(
-            "attention='neuron_flash' needs the Neuron NKI kernels "
-            f"(neuronxcc.nki.kernels.attention does not import here: {type(err).__name__}): "
-            + NEURON_EXTRA_HINT
-        ) from None
-    return {"flash_fwd": flash_fwd, "flash_attn_bwd": flash_attn_bwd}
+        importlib.import_module("nki")
+    except Exception as err:  # ImportError, or the PyPI placeholder raising on import
+        errors.append(f"nki: {type(err).__name__}")
+    else:
+        for module, fwd, bwd in KERNEL_MODULES:
+            try:
+                return _load_from(module, fwd, bwd)
+            except Exception as err:
+                errors.append(f"{module}: {type(err).__name__}")
+    raise ValueError(
+        "attention='neuron_flash' needs the NKI Library attention kernels "
+        f"({'; '.join(errors)}): " + NEURON_EXTRA_HINT
+    )
 
 
-def nki_flash_attention(
+# ------------------------------------------------------------------- the CPU stand-ins
+
+
+class Launchable:
+    """A function launched like an `nki.jit` kernel: `kernel[grid](*args)` or `kernel(*args)`.
+    The stand-ins record the grids they were launched with (`grids`), so tests can check the
+    LNC launch."""
+
+    def __init__(self, fn, name: str):
+        self.fn, self.name, self.grids = fn, name, []
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.fn
+
+    def __call__(self, *args, **kwargs):
+        self.grids.append(None)
+        return self.fn(*args, **kwargs)
+
+
+def _causal_scores(q, k, scale):
+    """q [N, Sq, d], k [N, Sk, d] (float32) -> scaled causal scores [N, Sq, Sk], -inf above."""
+    s = jnp.einsum("nqd,nkd->nqk", q, k) * scale
+    sq, sk = s.shape[1:]
+    mask = jnp.arange(sq)[:, None] >= jnp.arange(sk)[None, :]
+    return jnp.where(mask, s, -jnp.inf)
+
+
+def _ref_attention_cte(
     q,
     k,
     v,
-    *,
-    flash_fwd,
-    flash_attn_bwd,
-    config=None,
-    softmax_scale: float | None = None,
-    mixed_precision: bool = True,
+    scale=1.0,
+    causal_mask=True,
+    tp_q=True,
+    tp_k=False,
+    tp_out=False,
+    cache_softmax=False,
+    **unused,
 ):
-    """Causal GQA attention through the NKI flash kernels: all the layout adaptation is here.
+    """Stand-in for nkilib attention_cte (documented IO): q (Bq, S, d) if tp_q else (Bq, d, S);
+    k (Bkv, S, d) if tp_k else (Bkv, d, S); v (Bkv, S, d); GQA when Bkv < Bq (query row i uses
+    kv row i // (Bq // Bkv)). Returns out (Bq, S, d) (tp_out: (Bq, d, S)) and, with
+    cache_softmax, neg_max and recip (Bq, 128, ceil(S / 128)) float32, query g*128 + p at
+    [.., p, g]."""
+    assert causal_mask and not unused.get("sliding_window"), "stand-in: causal only"
+    qf = (q if tp_q else q.transpose(0, 2, 1)).astype(jnp.float32)
+    kf = (k if tp_k else k.transpose(0, 2, 1)).astype(jnp.float32)
+    g = qf.shape[0] // kf.shape[0]
+    kf = jnp.repeat(kf, g, axis=0)
+    vf = jnp.repeat(v.astype(jnp.float32), g, axis=0)
+    s = _causal_scores(qf, kf, scale)
+    m = s.max(axis=-1)
+    p = jnp.exp(s - m[..., None])
+    total = p.sum(axis=-1)
+    out = (jnp.einsum("nqk,nkd->nqd", p, vf) / total[..., None]).astype(q.dtype)
+    if tp_out:
+        out = out.transpose(0, 2, 1)
+    if not cache_softmax:
+        return out
+    n, sq = m.shape
+    grps = -(-sq // LSE_TILE)
+    pad = ((0, 0), (0, grps * LSE_TILE - sq))
 
-    q [B, S, H, Dh], k/v [B, S, KV, Dh] (one device's shard) -> [B, S, H, Dh]. The kernels are
-    passed in (`load_nki_flash_kernels()` on Neuron; pure-JAX stand-ins in the CPU tests) and
-    are launched as `kernel[grid](...)` with these documented layouts:
+    def tiles(x):  # [N, Sq] -> [N, 128, grps], query g*128 + p at [:, p, g]
+        return jnp.pad(x, pad, constant_values=1.0).reshape(n, grps, LSE_TILE).transpose(0, 2, 1)
 
-    - `flash_fwd[B, KV](q, k, v, seed, softmax_scale=, use_causal_mask=, mixed_precision=,
-      dropout_p=)`: q (B, H, Dh, S), k (B, KV, Dh, S), v (B, KV, S, Dh) (FlashConfig default
-      should_transpose_v=False); grid over KV heads for GQA (the kernel loops over the H // KV
-      query heads of each KV head). Returns o (B, H, S, Dh) and, with the default
-      FlashConfig(training=True), lse float32 (B, H, 128, S // 128) with lse[b, h, p, i] the
-      log-sum-exp of query i*128 + p. S must be a multiple of `config.seq_tile_size` (a
-      FlashConfig; None = the kernel's default, 2048): S is padded on the right to it, which
-      causal masking hides from every real query.
-    - `flash_attn_bwd[B, H](q, k, v, o, dy, lse, seed, use_causal_mask=, mixed_precision=,
-      dropout_p=, softmax_scale=)`: q, k, v, o, dy all (B, H, Dh, S) (no GQA: K/V repeated to H
-      heads here, dk/dv summed back over each group), lse as returned by flash_fwd; returns
-      dq, dk, dv (B, H, Dh, S).
+    return out, tiles(-m), tiles(1.0 / total)
 
-    All kernel IO shares q's dtype; Dh <= 128; dropout 0 (seed (1,) int32 is then unused).
-    Sources: the Neuron docs pages nki.kernels.flash_fwd / nki.kernels.flash_attn_bwd and the
-    kernels' source (aws-neuron/nki-samples, src/nki_samples/reference/attention.py).
+
+def _ref_attention_bwd(
+    q_ref,
+    k_ref,
+    v_ref,
+    o_ref,
+    dy_ref,
+    lse_ref,
+    sinks_ref=None,
+    use_causal_mask=False,
+    mixed_precision=False,
+    softmax_scale=None,
+    **unused,
+):
+    """Stand-in for nkilib attention_bwd (documented IO): q, o, dy (B, H, d, S); k, v
+    (B, KV, d, S); lse (B, H, 128, S // 128); returns dq (B, H, d, S), dk, dv (B, KV, d, S).
+    It uses o and lse as the kernel does (softmax rebuilt from lse, D = rowsum(dy * o)), so a
+    layout error in either changes the gradients."""
+    assert use_causal_mask and sinks_ref is None, "stand-in: causal, no sinks"
+    b, h, d, s = q_ref.shape
+    kvh = k_ref.shape[1]
+    g = h // kvh
+    scale = softmax_scale or d**-0.5
+    f32 = functools.partial(jnp.asarray, dtype=jnp.float32)
+    q, o, dy = (f32(x).transpose(0, 1, 3, 2) for x in (q_ref, o_ref, dy_ref))  # (B, H, S, d)
+    k, v = (jnp.repeat(f32(x).transpose(0, 1, 3, 2), g, axis=1) for x in (k_ref, v_ref))
+    lse = f32(lse_ref).transpose(0, 1, 3, 2).reshape(b, h, s)  # query g*128 + p
+    sc = _causal_scores(q.reshape(b * h, s, d), k.reshape(b * h, s, d), scale).reshape(b, h, s, s)
+    prob = jnp.exp(sc - lse[..., None])
+    dv = jnp.einsum("bhqk,bhqd->bhkd", prob, dy)
+    dp = jnp.einsum("bhqd,bhkd->bhqk", dy, v)
+    ds = prob * (dp - (dy * o).sum(-1, keepdims=True))
+    dq = jnp.einsum("bhqk,bhkd->bhqd", ds, k) * scale
+    dk = jnp.einsum("bhqk,bhqd->bhkd", ds, q) * scale
+
+    def kv(x):  # (B, H, S, d) -> sum over each group -> (B, KV, d, S)
+        return x.reshape(b, kvh, g, s, d).sum(axis=2).transpose(0, 1, 3, 2)
+
+    return (
+        dq.transpose(0, 1, 3, 2).astype(q_ref.dtype),
+        kv(dk).astype(k_ref.dtype),
+        kv(dv).astype(v_ref.dtype),
+    )
+
+
+def reference_kernels() -> dict:
+    """Pure-JAX stand-ins for {"fwd", "bwd"} (exact attention, the kernels' documented IO)."""
+    return {
+        "fwd": Launchable(_ref_attention_cte, "attention_cte (reference)"),
+        "bwd": Launchable(_ref_attention_bwd, "attention_bwd (reference)"),
+    }
+
+
+_SUBSTITUTE: list[dict] = []
+
+
+@contextlib.contextmanager
+def substitute(kernels: dict):
+    """Within the block, `flash_attention` uses `kernels` (e.g. `reference_kernels()`) instead of
+    loading the NKI Library: how the dry-run and `neuron-check` compile the adapter off-Neuron."""
+    _SUBSTITUTE.append(kernels)
+    try:
+        yield kernels
+    finally:
+        _SUBSTITUTE.pop()
+
+
+def active_kernels() -> dict:
+    """The innermost `substitute(...)` kernels, else `load_nki_attention_kernels()`."""
+    return _SUBSTITUTE[-1] if _SUBSTITUTE else load_nki_attention_kernels()
+
+
+# ------------------------------------------------------------------------ the adapter
+
+
+def nki_flash_attention(q, k, v, *, fwd, bwd, lnc: int | None = None, softmax_scale=None):
+    """Causal GQA attention through the NKI training pair; all the layout adaptation is here.
+
+    q [B, S, H, Dh], k/v [B, S, KV, Dh] (one device's shard) -> [B, S, H, Dh], q's dtype.
+
+    - forward `fwd[lnc](q, k, v, scale=, causal_mask=True, tp_q=True, tp_k=True,
+      cache_softmax=True)`: heads folded into the batch, q (B*H, Sp, Dh), k/v (B*KV, Sp, Dh)
+      (query row b*H + h uses kv row b*KV + h // (H // KV): the kernel's native GQA);
+      returns o (B*H, Sp, Dh), neg_max and recip (B*H, 128, Sp / 128) float32.
+    - backward `bwd[lnc](q, k, v, o, dy, lse, use_causal_mask=True, mixed_precision=True,
+      softmax_scale=)`: q/o/dy (B, H, Dh, Sp), k/v (B, KV, Dh, Sp) (native GQA), lse =
+      -neg_max - log(recip) as (B, H, 128, Sp / 128); returns dq (B, H, Dh, Sp), dk/dv
+      (B, KV, Dh, Sp).
+
+    Sp is S padded on the right to a multiple of 128 (causal masking hides the padding from
+    every real query). Kernel IO shares q's dtype (the softmax statistics stay float32).
     """
     b, s, h, dh = q.shape
     kvh = k.shape[2]
-    g = h // kvh
-    if dh > 128:
-        raise ValueError(f"attention='neuron_flash': head_dim {dh} > 128 (kernel limit)")
-    seq_tile = 2048 if config is None else int(config.seq_tile_size)
-    if config is not None and not getattr(config, "training", True):
-        raise ValueError("attention='neuron_flash': FlashConfig(training=False) returns no lse")
+    if dh > MAX_HEAD_DIM or h % kvh:
+        raise ValueError(
+            f"attention='neuron_flash': head_dim {dh} (at most {MAX_HEAD_DIM}) and heads {h} "
+            f"(a multiple of kv heads {kvh}) do not fit the NKI kernels; use 'blockwise'"
+        )
+    lnc = platform.lnc_setting() if lnc is None else platform.check_lnc(lnc)
     scale = dh**-0.5 if softmax_scale is None else float(softmax_scale)
-    sp = -(-s // seq_tile) * seq_tile
-    seed = jnp.ones((1,), jnp.int32)
-    fwd_kwargs = dict(
-        softmax_scale=scale,
-        use_causal_mask=True,
-        mixed_precision=mixed_precision,
-        dropout_p=0.0,
-        config=config,
-    )
+    sp = -(-s // LSE_TILE) * LSE_TILE
+    dt = q.dtype
+
+    def folded(x):  # [B, Sp, N, Dh] -> (B*N, Sp, Dh)
+        return x.astype(dt).transpose(0, 2, 1, 3).reshape(-1, sp, dh)
+
+    def heads_major(x):  # [B, Sp, N, Dh] -> (B, N, Dh, Sp)
+        return x.astype(dt).transpose(0, 2, 3, 1)
 
     def forward(qp, kp, vp):
-        qt = qp.transpose(0, 2, 3, 1)  # (B, H, Dh, Sp)
-        kt = kp.astype(qp.dtype).transpose(0, 2, 3, 1)  # (B, KV, Dh, Sp)
-        vt = vp.astype(qp.dtype).transpose(0, 2, 1, 3)  # (B, KV, Sp, Dh)
-        o, lse = flash_fwd[b, kvh](qt, kt, vt, seed, **fwd_kwargs)  # (B,H,Sp,Dh), (B,H,128,Sp/128)
-        return o, lse
+        o, neg_max, recip = fwd[lnc](
+            folded(qp),
+            folded(kp),
+            folded(vp),
+            scale=scale,
+            causal_mask=True,
+            tp_q=True,
+            tp_k=True,
+            tp_out=False,
+            cache_softmax=True,
+        )
+        lse = (-neg_max - jnp.log(recip)).astype(jnp.float32).reshape(b, h, LSE_TILE, -1)
+        return o.reshape(b, h, sp, dh), lse  # o (B, H, Sp, Dh)
 
     @jax.custom_vjp
     def run(qp, kp, vp):
@@ -114,31 +288,22 @@ def nki_flash_attention(
 
     def run_bwd(res, d_out):
         qp, kp, vp, o, lse = res
-        dt = qp.dtype
-        qt = qp.transpose(0, 2, 3, 1)  # (B, H, Dh, Sp)
-        kt = jnp.repeat(kp.astype(dt), g, axis=2).transpose(0, 2, 3, 1)  # (B, H, Dh, Sp)
-        vt = jnp.repeat(vp.astype(dt), g, axis=2).transpose(0, 2, 3, 1)  # (B, H, Dh, Sp)
-        ot = o.transpose(0, 1, 3, 2)  # (B, H, Dh, Sp)
-        dyt = d_out.astype(dt).transpose(0, 2, 3, 1)  # (B, H, Dh, Sp)
-        dq, dk, dv = flash_attn_bwd[b, h](
-            qt,
-            kt,
-            vt,
-            ot,
-            dyt,
+        dq, dk, dv = bwd[lnc](
+            heads_major(qp),
+            heads_major(kp),
+            heads_major(vp),
+            o.transpose(0, 1, 3, 2),
+            heads_major(d_out),
             lse,
-            seed,
             use_causal_mask=True,
-            mixed_precision=mixed_precision,
-            dropout_p=0.0,
+            mixed_precision=True,
             softmax_scale=scale,
-        )
+        )[:3]
 
-        def to_kv(x, dtype):  # (B, H, Dh, Sp) -> sum over each group -> (B, Sp, KV, Dh)
-            x = x.astype(jnp.float32).reshape(b, kvh, g, dh, sp).sum(axis=2)
-            return x.transpose(0, 3, 1, 2).astype(dtype)
+        def back(x, like):  # (B, N, Dh, Sp) -> [B, Sp, N, Dh]
+            return x.transpose(0, 3, 1, 2).astype(like.dtype)
 
-        return dq.transpose(0, 3, 1, 2).astype(dt), to_kv(dk, kp.dtype), to_kv(dv, vp.dtype)
+        return back(dq, qp), back(dk, kp), back(dv, vp)
 
     run.defvjp(run_fwd, run_bwd)
     pad = ((0, 0), (0, sp - s), (0, 0), (0, 0))
@@ -182,12 +347,13 @@ def shard_attention(fn, q, k, v, mesh):
     return mapped(q, k, v)
 
 
-def flash_attention(q, k, v, *, mesh=None, kernels=None):
+def flash_attention(q, k, v, *, mesh=None, kernels=None, lnc: int | None = None):
     """Causal GQA attention through the NKI kernels, per device over `mesh` (default: the
-    ambient mesh of `jax.set_mesh`, if any). `kernels`: the `load_nki_flash_kernels()` dict
-    (default: loaded now; a one-line ValueError where they are missing)."""
-    kernels = load_nki_flash_kernels() if kernels is None else kernels
-    fn = functools.partial(nki_flash_attention, **kernels)
+    ambient mesh of `jax.set_mesh`, if any). `kernels`: {"fwd", "bwd"} (default
+    `active_kernels()`: a one-line ValueError where they are missing); `lnc` default
+    `platform.lnc_setting()`."""
+    kernels = active_kernels() if kernels is None else kernels
+    fn = functools.partial(nki_flash_attention, fwd=kernels["fwd"], bwd=kernels["bwd"], lnc=lnc)
     mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
     if mesh is None or mesh.empty:
         return fn(q, k, v)

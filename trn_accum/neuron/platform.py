@@ -24,6 +24,7 @@ import glob
 import importlib.metadata
 import importlib.util
 import os
+import re
 import sys
 from collections.abc import Mapping, Sequence
 
@@ -170,6 +171,12 @@ def neuron_env(
                 f"compiler flag {f} is undocumented (--internal-*): use documented neuronx-cc flags"
             )
         flags.append(f)
+    explicit = cc_flags_lnc(" ".join(flags))
+    if explicit is not None and explicit != str(lnc):
+        raise ValueError(
+            f"compiler flag --lnc={explicit} disagrees with lnc={lnc}: the compiler and the "
+            "runtime must use the same logical NeuronCore size"
+        )
     env = {
         "NEURON_CC_FLAGS": " ".join(flags),
         "NEURON_LOGICAL_NC_CONFIG": str(lnc),
@@ -185,6 +192,50 @@ def neuron_env(
     if visible_cores:
         env["NEURON_RT_VISIBLE_CORES"] = visible_cores
     return env
+
+
+_LNC_FLAG = re.compile(r"(?:^|\s)--lnc(?:=|\s+)(\S+)")
+
+
+def cc_flags_lnc(flags: str) -> str | None:
+    """The value of an explicit ``--lnc`` in a NEURON_CC_FLAGS string (last one wins), or None.
+
+    neuronx-cc takes ``--lnc`` when it is called directly (neuronx-cc command-line reference;
+    a bad value is compiler error NCC_EARG001); through the framework the runtime's
+    ``NEURON_LOGICAL_NC_CONFIG`` decides, and the two must agree.
+    """
+    found = _LNC_FLAG.findall(flags or "")
+    return found[-1] if found else None
+
+
+def with_cc_lnc(flags: str, lnc: int) -> str:
+    """`flags` with every explicit ``--lnc`` set to `lnc` (flags without one are unchanged)."""
+    return _LNC_FLAG.sub(lambda m: m.group(0).replace(m.group(1), str(lnc)), flags)
+
+
+def lnc_setting(environ: Mapping[str, str] | None = None) -> int:
+    """The one logical-core size of this job, from `environ` (default ``os.environ``).
+
+    ``NEURON_LOGICAL_NC_CONFIG`` when set; else an explicit ``--lnc`` in ``NEURON_CC_FLAGS``;
+    else 2, the trn2 default (Neuron docs, "Logical NeuronCore configuration"). ValueError in one
+    line when both are set and disagree: a program compiled for one core size does not run on
+    the other.
+    """
+    env = os.environ if environ is None else environ
+    runtime = (env.get("NEURON_LOGICAL_NC_CONFIG") or "").strip()
+    compiler = cc_flags_lnc(env.get("NEURON_CC_FLAGS", ""))
+    if runtime and compiler is not None and runtime != compiler:
+        raise ValueError(
+            f"NEURON_LOGICAL_NC_CONFIG={runtime} but NEURON_CC_FLAGS has --lnc={compiler}: the "
+            "compiler and the runtime must use the same logical NeuronCore size; set one of "
+            "them (trn-accum neuron-env sets both from NEURON_LOGICAL_NC_CONFIG)"
+        )
+    value = runtime or compiler or str(DEFAULT_LNC)
+    try:
+        return check_lnc(value)
+    except ValueError:
+        source = "NEURON_LOGICAL_NC_CONFIG" if runtime else "--lnc in NEURON_CC_FLAGS"
+        raise ValueError(f"{source}={value}: must be 1 or 2 (logical NeuronCore size on trn2)")
 
 
 def _kernel_older_than(release: str, major: int, minor: int) -> bool:
@@ -219,9 +270,12 @@ def trn2_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     shared = keep("TRN_ACCUM_SHARED_DIR", os.path.join(base, "runs"))
     cache = keep("TRN_ACCUM_CACHE_DIR", os.path.join(shared, "cache"))
     keep("JAX_PLATFORMS", "neuron,cpu")
-    lnc = env.get("NEURON_LOGICAL_NC_CONFIG") or str(DEFAULT_LNC)
-    for key, value in neuron_env(check_lnc(lnc), compile_cache=None).items():
+    lnc = lnc_setting(env)
+    for key, value in neuron_env(lnc, compile_cache=None).items():
         keep(key, value)
+    # One setting drives both: an explicit --lnc the user put in NEURON_CC_FLAGS follows it.
+    out["NEURON_LOGICAL_NC_CONFIG"] = str(lnc)
+    out["NEURON_CC_FLAGS"] = with_cc_lnc(out["NEURON_CC_FLAGS"], lnc)
     keep("NEURON_COMPILE_CACHE_URL", os.path.join(cache, "neuron"))
     keep("JAX_COMPILATION_CACHE_DIR", os.path.join(cache, "jax"))
     if env.get("FI_EFA_FORK_SAFE"):

@@ -124,7 +124,7 @@ def check_attention(cfg: Config) -> None:
     """TrainError now (not a traceback at trace time) when "neuron_flash" has no kernels here."""
     if cfg.model.attention == "neuron_flash":
         try:
-            kernels.load_nki_flash_kernels()
+            kernels.active_kernels()
         except ValueError as e:
             raise TrainError(str(e)) from None
 
