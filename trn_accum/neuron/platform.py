@@ -235,7 +235,9 @@ def lnc_setting(environ: Mapping[str, str] | None = None) -> int:
         return check_lnc(value)
     except ValueError:
         source = "NEURON_LOGICAL_NC_CONFIG" if runtime else "--lnc in NEURON_CC_FLAGS"
-        raise ValueError(f"{source}={value}: must be 1 or 2 (logical NeuronCore size on trn2)")
+        raise ValueError(
+            f"{source}={value}: must be 1 or 2 (logical NeuronCore size on trn2)"
+        ) from None
 
 
 def _kernel_older_than(release: str, major: int, minor: int) -> bool:
