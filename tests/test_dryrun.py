@@ -26,14 +26,23 @@ F3B = str(ROOT / "configs" / "fuji-3b-trn2.toml")
 
 
 @pytest.mark.slow
-def test_reduced_depth_3b_dry_run_on_64_devices():
-    """2 of the 28 layers, neuron_flash requested: compiles with blockwise and says so; zero
-    split collectives, no preflight blocker, exact per-device bytes, exit 0."""
+@pytest.mark.parametrize(
+    "mesh_sets, all_nodes",
+    [
+        ((), {"data": 32, "fsdp": 16, "model": 4}),  # the config's hybrid mesh
+        (("mesh.data=1", "mesh.fsdp=-1"), {"data": 1, "fsdp": 512, "model": 4}),  # reference
+    ],
+    ids=["hybrid", "reference"],
+)
+def test_reduced_depth_3b_dry_run_on_64_devices(mesh_sets, all_nodes):
+    """2 of the 28 layers of the trn2 config, on both meshes: nothing substituted (blockwise
+    attention), zero split collectives, no preflight blocker, exact per-device bytes, exit 0."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)  # the CLI sets 64 devices itself
+    sets = [a for m in mesh_sets for a in ("--set", m)]
     r = subprocess.run(
         [sys.executable, "-m", "trn_accum.cli", "dry-run", "--config", F3B, "--devices", "64",
-         "--set", "model.num_layers=2", "--set", 'model.attention="neuron_flash"', "--json"],
+         "--set", "model.num_layers=2", *sets, "--json"],
         env=env, cwd=ROOT, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
@@ -41,15 +50,16 @@ def test_reduced_depth_3b_dry_run_on_64_devices():
     cfg = load_config(F3B, ["model.num_layers=2"])
     per_layer = 100_669_440
     assert rep["params"] == fuji.num_params(cfg.model) == 402_653_184 + 2 * per_layer + 3072
-    assert rep["attention"] == "blockwise" and "neuron_flash" in rep["notes"][0]
+    assert rep["attention"] == "blockwise" and rep["substitutions"] == []
     assert rep["mesh_per_node"] == {"data": 1, "fsdp": 16, "model": 4}
-    assert rep["mesh_all_nodes"] == {"data": 32, "fsdp": 16, "model": 4}
+    assert rep["mesh_all_nodes"] == all_nodes
     assert rep["rows_per_node"] == 64 and rep["rows_per_device_group_per_minibatch"] == 1
     assert sum(rep["split_collectives"].values()) == 0
     assert rep["blockers"] == []
-    # Norm scales are replicated, every matrix is split 64 ways (fsdp 16 x model 4).
+    ways = all_nodes["fsdp"] * all_nodes["model"]
+    # Norm scales are replicated, every matrix is split over fsdp x model (64 or 2048 ways).
     norms = 2 * 2 * 3072 + 3072
-    assert rep["bytes_per_device"]["params"] == 4 * ((rep["params"] - norms) // 64 + norms)
+    assert rep["bytes_per_device"]["params"] == 4 * ((rep["params"] - norms) // ways + norms)
     assert rep["bytes_per_device"]["grads"] == rep["bytes_per_device"]["params"]
     assert rep["bytes_per_device"]["opt_state"] == 2 * rep["bytes_per_device"]["params"] + 8
     tokens = 2048 * 8192
@@ -79,6 +89,20 @@ def test_tiny_dry_run_bytes_match_compiled_arguments_and_blockers_exit_1(monkeyp
     assert "parameters: 131,392" in text and "split_minibatches collectives: 0" in text
     assert json.loads(dryrun.format_report(rep, as_json=True))["params"] == 131_392
     _check_blockers_make_dry_run_exit_nonzero(rep, monkeypatch, capsys)
+
+
+def test_neuron_flash_dry_run_compiles_the_adapter_and_names_the_substitutions():
+    """attention = "neuron_flash" off-Neuron: the adapter (transposes, custom VJP, shard_map)
+    compiles around the stand-ins, and the report names each substituted kernel."""
+    rep = dryrun.run(TINY, overrides=['model.attention="neuron_flash"'])
+    assert rep["attention"] == "neuron_flash" and rep["blockers"] == []
+    assert [x["piece"] for x in rep["substitutions"]] == [
+        "nkilib attention_cte",
+        "nkilib attention_bwd",
+    ]
+    text = dryrun.format_report(rep)
+    assert "substituted: nkilib attention_cte -> attention_cte (reference)" in text
+    assert "substituted: nothing" in dryrun.format_report(dryrun.run(TINY))
 
 
 def test_hlo_dot_flops_multiplies_loop_trips():

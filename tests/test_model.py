@@ -35,6 +35,7 @@ SMALL = ModelConfig(
     ffn_dim=64,
     rope_theta=10000.0,
     max_seq_len=32,
+    init="normal",
     init_std=0.1,  # larger than the default so that every path visibly moves the logits
     compute_dtype="float32",
     layer_loop="scan",
@@ -151,7 +152,8 @@ def test_gqa_attention_equals_independent_mha_reference():
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
 
 
-def test_rope_scores_depend_only_on_relative_position():
+@pytest.mark.parametrize("style", fuji.ROPE_STYLES)
+def test_rope_scores_depend_only_on_relative_position(style):
     d = 16
     q = jax.random.normal(jax.random.key(0), (d,), jnp.float32)
     k = jax.random.normal(jax.random.key(1), (d,), jnp.float32)
@@ -159,7 +161,7 @@ def test_rope_scores_depend_only_on_relative_position():
 
     @jax.jit
     def rotated(x):  # x at every position: [1, 40, 1, d]
-        return fuji.apply_rope(jnp.broadcast_to(x, (1, 40, 1, d)), pos, 10000.0)[0, :, 0]
+        return fuji.apply_rope(jnp.broadcast_to(x, (1, 40, 1, d)), pos, 10000.0, style)[0, :, 0]
 
     rq, rk = rotated(q), rotated(k)
     scores = np.asarray(rq @ rk.T)  # scores[m, n] = <rope(q, m), rope(k, n)>
@@ -171,6 +173,61 @@ def test_rope_scores_depend_only_on_relative_position():
     assert abs(scores[5, 1] - scores[5, 4]) > 1e-2  # it does depend on the distance
     np.testing.assert_allclose(np.linalg.norm(rq, axis=-1), np.linalg.norm(q), rtol=1e-5)
     np.testing.assert_allclose(rq[0], q, rtol=1e-6)  # position 0: identity
+
+
+def test_rope_interleaved_is_halves_on_interleaved_pairs():
+    """AXLearn's interleaved pairs (2i, 2i+1) are the halves pairs (i, i + d/2) after moving
+    even entries to the first half and odd ones to the second: the same rotation per pair."""
+    d = 8
+    x = jax.random.normal(jax.random.key(2), (1, 5, 3, d), jnp.float32)
+    pos = jnp.arange(5)
+    perm = np.concatenate([np.arange(0, d, 2), np.arange(1, d, 2)])  # interleaved -> halves
+    inter = fuji.apply_rope(x, pos, 100.0, "interleaved")
+    halves = fuji.apply_rope(x[..., perm], pos, 100.0, "halves")
+    np.testing.assert_allclose(inter[..., perm], halves, rtol=1e-6, atol=1e-6)
+    assert not np.allclose(inter, fuji.apply_rope(x, pos, 100.0, "halves"), atol=1e-3)
+    angle = 1.0 * 100.0 ** (-0.0)  # position 1, pair 0: entries 0 and 1 rotate by 1 radian
+    c, s_ = np.cos(angle), np.sin(angle)
+    want = [x[0, 1, 0, 0] * c - x[0, 1, 0, 1] * s_, x[0, 1, 0, 1] * c + x[0, 1, 0, 0] * s_]
+    np.testing.assert_allclose(inter[0, 1, 0, :2], want, rtol=1e-6)
+
+
+def test_3b_init_std_per_parameter_follows_the_golden_rule():
+    """The 3B config's init (AXLearn's golden init for fuji-3B-v3): normal(0, 1/fan_in) for
+    every projection, with fan_in read here from the shapes (q/k/v/gate/up: their input dim;
+    o: heads x head_dim; down: the FFN dim), and the embedding by its fan-out (hidden)."""
+    from trn_accum.train.config import load_config
+
+    cfg = load_config(ROOT / "configs" / "fuji-3b-trn2.toml").model
+    assert cfg.init == "fan_in" and cfg.rope == "interleaved"
+    shapes = jax.eval_shape(fuji.init_params, cfg, jax.random.key(0))
+    stds = fuji.param_init_stds(cfg)
+    lay = shapes["layers"]
+    want = {
+        "embed": 1 / np.sqrt(shapes["embed"].shape[1]),  # [V, D]: fan-out D
+        "q": 1 / np.sqrt(lay["q"].shape[1]),  # [L, D, H, Dh]
+        "k": 1 / np.sqrt(lay["k"].shape[1]),
+        "v": 1 / np.sqrt(lay["v"].shape[1]),
+        "o": 1 / np.sqrt(lay["o"].shape[1] * lay["o"].shape[2]),  # [L, H, Dh, D]
+        "gate": 1 / np.sqrt(lay["gate"].shape[1]),  # [L, D, F]
+        "up": 1 / np.sqrt(lay["up"].shape[1]),
+        "down": 1 / np.sqrt(lay["down"].shape[1]),  # [L, F, D]
+    }
+    got = {"embed": stds["embed"], **{k: stds["layers"][k] for k in want if k != "embed"}}
+    np.testing.assert_allclose([got[k] for k in want], [want[k] for k in want], rtol=1e-12)
+    np.testing.assert_allclose(want["q"], 3072**-0.5) and np.testing.assert_allclose(
+        want["down"], 8192**-0.5
+    )
+    assert stds["final_norm"] is None and stds["layers"]["attn_norm"] is None
+
+
+def test_fan_in_init_draws_with_those_stds():
+    cfg = dataclasses.replace(SMALL, init="fan_in", hidden_dim=64, ffn_dim=256, vocab_size=512)
+    params = _init(cfg, _key(3))
+    stds = fuji.param_init_stds(cfg)
+    for name in ("q", "o", "down"):
+        np.testing.assert_allclose(np.std(params["layers"][name]), stds["layers"][name], rtol=0.05)
+    np.testing.assert_allclose(np.std(params["embed"]), 64**-0.5, rtol=0.05)
 
 
 def test_layer_loops_and_remat_policies_agree(params):

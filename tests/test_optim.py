@@ -37,12 +37,14 @@ def _opt(kind, **kw):
 
 def test_schedule_warmup_then_cosine_to_end_fraction():
     eta = lr_multiplier(warmup_steps=4, total_steps=20, end_fraction=0.1)
-    vals = [float(eta(i)) for i in range(21)]
-    np.testing.assert_allclose(vals[:5], [0.0, 0.25, 0.5, 0.75, 1.0], rtol=1e-6)
-    # cosine half-way between the end of warmup (4) and the end (20): (1 + 0.1) / 2
-    np.testing.assert_allclose(vals[12], 0.55, rtol=1e-6)
-    np.testing.assert_allclose(vals[20], 0.1, rtol=1e-6)
-    assert all(a >= b for a, b in zip(vals[4:], vals[5:], strict=False))
+    vals = [float(eta(count)) for count in range(20)]  # the update after `count` updates
+    # 1-based like the reference: the first update gets eta(1) = 1/4, the 4th the peak.
+    np.testing.assert_allclose(vals[:5], [0.25, 0.5, 0.75, 1.0, vals[4]], rtol=1e-6)
+    assert 0.99 < vals[4] < 1.0
+    # cosine half-way between the end of warmup (t=4) and the end (t=20): (1 + 0.1) / 2
+    np.testing.assert_allclose(vals[11], 0.55, rtol=1e-6)
+    np.testing.assert_allclose(vals[19], 0.1, rtol=1e-6)
+    assert all(a >= b for a, b in zip(vals[3:], vals[4:], strict=False))
 
 
 def test_decay_alone_decoupled_is_one_over_alpha_stronger_than_optax_adamw():
@@ -54,7 +56,9 @@ def test_decay_alone_decoupled_is_one_over_alpha_stronger_than_optax_adamw():
         tx, _ = _opt(kind, warmup_steps=0)
         upd, _ = tx.update(zeros, tx.init(params), params)
         out[kind] = upd
-    eta0 = 1.0  # no warmup: eta(0) = 1
+    # no warmup: the first update gets eta(1), one step into the cosine (just under 1)
+    eta0 = float(lr_multiplier(warmup_steps=0, total_steps=10, end_fraction=0.1)(0))
+    assert 0.97 < eta0 < 1.0
     for name, p in params.items():
         np.testing.assert_allclose(out["reference"][name], -eta0 * LAMBDA * p, rtol=1e-6)
         np.testing.assert_allclose(out["adamw"][name], -eta0 * ALPHA * LAMBDA * p, rtol=1e-6)
@@ -107,8 +111,9 @@ def test_chain_matches_reference_over_steps(kind):
 
 def test_lr_fn_is_alpha_times_eta():
     _, lr_fn = _opt("reference", warmup_steps=4, total_steps=20)
-    np.testing.assert_allclose(float(lr_fn(4)), ALPHA, rtol=1e-6)
-    np.testing.assert_allclose(float(lr_fn(2)), ALPHA / 2, rtol=1e-6)
+    np.testing.assert_allclose(float(lr_fn(3)), ALPHA, rtol=1e-6)  # the 4th update: t = 4
+    np.testing.assert_allclose(float(lr_fn(1)), ALPHA / 2, rtol=1e-6)  # t = 2
+    np.testing.assert_allclose(float(lr_fn(0)), ALPHA / 4, rtol=1e-6)  # the first: t = 1
 
 
 def test_nonfinite_step_is_skipped_without_conditional():

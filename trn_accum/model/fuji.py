@@ -50,6 +50,13 @@ from trn_accum.model.xent import cross_entropy, lm_logits
 COMPUTE_DTYPES = ("bfloat16", "float32")
 LAYER_LOOPS = ("scan", "unroll")
 REMAT_POLICIES = ("none", "full", "save_qkvo")
+# "fan_in": std 1/sqrt(fan) per matrix, the reference's rule (AXLearn's golden init config for
+# fuji-3B-v3, axlearn/experiments/testdata/.../fuji-3B-v3_init.txt: normal(0, 1/fan_in) for
+# q/k/v/o/gate/up/down, the embedding normal(0, 1/fan_out)); "normal": std `init_std` for all.
+INITS = ("fan_in", "normal")
+# RoPE pairs: "interleaved" (x[2i], x[2i+1]), AXLearn's convention, so AXLearn checkpoints load
+# and compare; "halves" (x[i], x[i + Dh/2]), the GPT-NeoX / Llama-HF convention.
+ROPE_STYLES = ("interleaved", "halves")
 
 
 def _choices(*allowed: str) -> dict:
@@ -76,7 +83,9 @@ class ModelConfig:
     rope_theta: float = 500000.0
     norm_eps: float = 1e-5
     max_seq_len: int = 8192
-    init_std: float = 0.02  # normal(0, init_std) for every matrix, the embedding included
+    init: str = field(default="fan_in", metadata=_choices(*INITS))
+    init_std: float = 0.02  # init = "normal": normal(0, init_std) for every matrix
+    rope: str = field(default="interleaved", metadata=_choices(*ROPE_STYLES))
     compute_dtype: str = field(default="bfloat16", metadata=_choices(*COMPUTE_DTYPES))
     layer_loop: str = field(default="scan", metadata=_choices(*LAYER_LOOPS))
     # none | full | save_qkvo (reference: keep the q/k/v/o projections and attention context)
@@ -140,38 +149,61 @@ jax.tree_util.register_static(ModelConfig)
 class _Param:
     shape: tuple[int, ...]
     axes: tuple[str, ...]
-    init: str  # "normal" (std cfg.init_std) | "ones"
+    fan: tuple[str, ...] = ()  # logical axes whose sizes multiply to the fan; () = norm scale 1
 
 
 def _param_table(cfg: ModelConfig) -> dict:
     L, D, F, V = cfg.num_layers, cfg.hidden_dim, cfg.ffn_dim, cfg.vocab_size
     H, KV, Dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     return {
-        "embed": _Param((V, D), ("vocab", "embed"), "normal"),
+        "embed": _Param((V, D), ("vocab", "embed"), ("embed",)),  # fan-out, as the reference
         "layers": {
-            "attn_norm": _Param((L, D), ("layers", "norm"), "ones"),
-            "q": _Param((L, D, H, Dh), ("layers", "embed", "heads", "head_dim"), "normal"),
-            "k": _Param((L, D, KV, Dh), ("layers", "embed", "kv_heads", "head_dim"), "normal"),
-            "v": _Param((L, D, KV, Dh), ("layers", "embed", "kv_heads", "head_dim"), "normal"),
-            "o": _Param((L, H, Dh, D), ("layers", "heads", "head_dim", "embed"), "normal"),
-            "ffn_norm": _Param((L, D), ("layers", "norm"), "ones"),
-            "gate": _Param((L, D, F), ("layers", "embed", "ffn"), "normal"),
-            "up": _Param((L, D, F), ("layers", "embed", "ffn"), "normal"),
-            "down": _Param((L, F, D), ("layers", "ffn", "embed"), "normal"),
+            "attn_norm": _Param((L, D), ("layers", "norm")),
+            "q": _Param((L, D, H, Dh), ("layers", "embed", "heads", "head_dim"), ("embed",)),
+            "k": _Param((L, D, KV, Dh), ("layers", "embed", "kv_heads", "head_dim"), ("embed",)),
+            "v": _Param((L, D, KV, Dh), ("layers", "embed", "kv_heads", "head_dim"), ("embed",)),
+            "o": _Param(
+                (L, H, Dh, D), ("layers", "heads", "head_dim", "embed"), ("heads", "head_dim")
+            ),
+            "ffn_norm": _Param((L, D), ("layers", "norm")),
+            "gate": _Param((L, D, F), ("layers", "embed", "ffn"), ("embed",)),
+            "up": _Param((L, D, F), ("layers", "embed", "ffn"), ("embed",)),
+            "down": _Param((L, F, D), ("layers", "ffn", "embed"), ("ffn",)),
         },
-        "final_norm": _Param((D,), ("norm",), "ones"),
+        "final_norm": _Param((D,), ("norm",)),
     }
 
 
+def _init_std(cfg: ModelConfig, p: _Param) -> float | None:
+    if not p.fan:
+        return None
+    if cfg.init == "normal":
+        return cfg.init_std
+    fan = math.prod(n for n, a in zip(p.shape, p.axes, strict=True) if a in p.fan)
+    return 1.0 / math.sqrt(fan)
+
+
+def param_init_stds(cfg: ModelConfig) -> dict:
+    """The initial std of every parameter (the parameter tree; None for the norm scales, which
+    start at 1): `cfg.init` "fan_in" = 1/sqrt(fan) (q/k/v/gate/up: hidden; o: heads x
+    head_dim; down: ffn; the embedding: its fan-out, hidden), "normal" = `cfg.init_std`."""
+    return jax.tree.map(
+        lambda p: _init_std(cfg, p),
+        _param_table(cfg),
+        is_leaf=lambda x: isinstance(x, _Param),
+    )
+
+
 def init_params(cfg: ModelConfig, key) -> dict:
-    """float32 parameters (tree in the module docstring). Matrices ~ normal(0, cfg.init_std),
-    norm scales 1. Works under `jax.eval_shape` and under `jax.jit(..., out_shardings=...)`."""
+    """float32 parameters (tree in the module docstring). Matrices ~ normal(0, std) with the std
+    of `param_init_stds`, norm scales 1. Works under `jax.eval_shape` and under
+    `jax.jit(..., out_shardings=...)`."""
     leaves, treedef = jax.tree.flatten(_param_table(cfg))
     keys = jax.random.split(key, len(leaves))
     arrays = [
         jnp.ones(p.shape, jnp.float32)
-        if p.init == "ones"
-        else cfg.init_std * jax.random.normal(k, p.shape, jnp.float32)
+        if _init_std(cfg, p) is None
+        else _init_std(cfg, p) * jax.random.normal(k, p.shape, jnp.float32)
         for p, k in zip(leaves, keys, strict=True)
     ]
     return jax.tree.unflatten(treedef, arrays)
@@ -287,19 +319,27 @@ def rms_norm(x, scale, eps: float):
     return y.astype(x.dtype)
 
 
-def apply_rope(x, positions, theta: float):
+def apply_rope(x, positions, theta: float, style: str = "interleaved"):
     """Rotary position embedding. x [B, S, N, Dh], positions int [S] or [B, S].
 
-    Rotates the pairs (x[..., i], x[..., i + Dh/2]) by angle position * theta^(-2i/Dh), in
-    float32; returns x's dtype. Scores q.k of rotated vectors depend only on the position
-    difference.
+    Rotates pair i by angle position * theta^(-2i/Dh), in float32; returns x's dtype. The pairs
+    (`style`): "interleaved" (x[..., 2i], x[..., 2i+1]), AXLearn's convention; "halves"
+    (x[..., i], x[..., i + Dh/2]). Scores q.k of rotated vectors depend only on the position
+    difference, in either style.
     """
+    if style not in ROPE_STYLES:
+        raise ValueError(f"rope style {style!r} is not one of {ROPE_STYLES}")
     half = x.shape[-1] // 2
     inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
     angle = positions.astype(jnp.float32)[..., None] * inv_freq  # [(B,) S, Dh/2]
     cos, sin = jnp.cos(angle)[..., None, :], jnp.sin(angle)[..., None, :]  # [(B,) S, 1, Dh/2]
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    xf = x.astype(jnp.float32)
+    if style == "halves":
+        x1, x2 = jnp.split(xf, 2, axis=-1)
+        return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    x1, x2 = xf[..., 0::2], xf[..., 1::2]
+    out = jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)  # [..., Dh/2, 2]
+    return out.reshape(x.shape).astype(x.dtype)
 
 
 def _block(x, layer, cfg: ModelConfig):
@@ -312,8 +352,12 @@ def _block(x, layer, cfg: ModelConfig):
     k = jnp.einsum("bsd,dhk->bshk", h, layer["k"].astype(dt))
     v = jnp.einsum("bsd,dhk->bshk", h, layer["v"].astype(dt))
     heads = ("batch", "seq", "heads", None)
-    q = checkpoint_name(shard_activation(apply_rope(q, positions, cfg.rope_theta), heads), "q_proj")
-    k = checkpoint_name(shard_activation(apply_rope(k, positions, cfg.rope_theta), heads), "k_proj")
+    q = checkpoint_name(
+        shard_activation(apply_rope(q, positions, cfg.rope_theta, cfg.rope), heads), "q_proj"
+    )
+    k = checkpoint_name(
+        shard_activation(apply_rope(k, positions, cfg.rope_theta, cfg.rope), heads), "k_proj"
+    )
     v = checkpoint_name(shard_activation(v, heads), "v_proj")
     ctx = attention(q, k, v, impl=cfg.attention, block_size=cfg.attention_block, kv_mask=None)
     ctx = checkpoint_name(shard_activation(ctx, heads), "context")

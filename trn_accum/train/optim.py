@@ -15,7 +15,8 @@ Two AdamW flavours (the Fuji reference: AXLearn `experiments/text/gpt/common.py`
   alpha = 3e-4).
 
 Both are preceded by ``clip_by_global_norm``. The schedule multiplier ``eta`` rises linearly from
-0 to 1 over ``warmup_steps`` and then follows a cosine to ``end_fraction`` at ``total_steps``.
+0 to 1 over ``warmup_steps`` and then follows a cosine to ``end_fraction`` at ``total_steps``;
+it is 1-based like the reference's (step 1 gets eta(1), see ``lr_multiplier``).
 
 Non-finite steps are skipped without a conditional (``lax.cond``, ``optax.apply_if_finite`` and
 ``optax.MultiSteps`` lower to ``stablehlo.case``, which Neuron rejects: Neuron docs, "JAX NeuronX
@@ -35,14 +36,23 @@ KINDS = ("reference", "adamw")
 
 
 def lr_multiplier(*, warmup_steps: int, total_steps: int, end_fraction: float) -> optax.Schedule:
-    """eta(t): linear 0 -> 1 over `warmup_steps`, cosine 1 -> `end_fraction` at `total_steps`."""
+    """eta as a function of `count`, the updates applied so far: eta(t) rises linearly 0 -> 1
+    over `warmup_steps` and follows a cosine 1 -> `end_fraction` at `total_steps`, evaluated
+    1-based, t = count + 1, so the first update gets eta(1) = 1 / warmup_steps, not 0 (as in
+    AXLearn, whose `scale_by_schedule` in axlearn/common/optimizers.py counts from 1)."""
     if warmup_steps < 0 or total_steps < 1:
         raise ValueError(
             f"schedule: warmup_steps={warmup_steps} must be >= 0 and total_steps={total_steps} >= 1"
         )
     if warmup_steps >= total_steps:
         # Warmup covering the whole run: a pure linear ramp (no cosine phase left).
-        return optax.linear_schedule(0.0, 1.0, max(warmup_steps, 1))
+        base = optax.linear_schedule(0.0, 1.0, max(warmup_steps, 1))
+    else:
+        base = _warmup_cosine(warmup_steps, total_steps, end_fraction)
+    return lambda count: base(count + 1)
+
+
+def _warmup_cosine(warmup_steps: int, total_steps: int, end_fraction: float) -> optax.Schedule:
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0,
         peak_value=1.0,
