@@ -333,3 +333,29 @@ def test_detection_initialises_no_backend():
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 0 and out.stdout.strip() == "OK", out.stderr[-2000:]
+
+
+def test_one_lnc_setting_drives_compiler_and_runtime(monkeypatch):
+    """NEURON_LOGICAL_NC_CONFIG is the setting; an explicit --lnc in NEURON_CC_FLAGS follows it
+    (trn2_env rewrites it) and, set to another value by hand, is a one-line error."""
+    assert neuron.cc_flags_lnc("--target=trn2 --lnc=1 -O1") == "1"
+    assert neuron.cc_flags_lnc("--lnc 2") == "2" and neuron.cc_flags_lnc("-O1") is None
+    assert neuron.lnc_setting({}) == 2
+    assert neuron.lnc_setting({"NEURON_CC_FLAGS": "--lnc=1"}) == 1
+    assert neuron.lnc_setting({"NEURON_LOGICAL_NC_CONFIG": "1", "NEURON_CC_FLAGS": "-O1"}) == 1
+    with pytest.raises(
+        ValueError, match=r"NEURON_LOGICAL_NC_CONFIG=2 but NEURON_CC_FLAGS has --lnc=1"
+    ) as e:
+        neuron.lnc_setting({"NEURON_LOGICAL_NC_CONFIG": "2", "NEURON_CC_FLAGS": "--lnc=1"})
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="must be 1 or 2"):
+        neuron.lnc_setting({"NEURON_LOGICAL_NC_CONFIG": "4"})
+    env = neuron.trn2_env(
+        {"NEURON_CC_FLAGS": "--target=trn2 --lnc=1", "NEURON_LOGICAL_NC_CONFIG": "1"}
+    )
+    assert env["NEURON_LOGICAL_NC_CONFIG"] == "1" and "--lnc=1" in env["NEURON_CC_FLAGS"]
+    env = neuron.trn2_env({"NEURON_CC_FLAGS": "--target=trn2 --lnc 1"})  # the flag decides
+    assert env["NEURON_LOGICAL_NC_CONFIG"] == "1"
+    assert neuron.with_cc_lnc("-O1 --lnc=1 --lnc 1", 2) == "-O1 --lnc=2 --lnc 2"
+    with pytest.raises(ValueError, match="--lnc=1 disagrees with lnc=2"):
+        neuron_env(2, extra_cc_flags=["--lnc=1"])

@@ -232,3 +232,18 @@ def test_trainer_step_passes_reduce_from_config():
     for name in ("loss", "grad_norm", "target_tokens"):
         np.testing.assert_allclose(m_once[name], m_per[name], rtol=1e-6, err_msg=name)
     check_once_vs_per_minibatch(once, per, MESHES["data8"], k, factor_max=2.0 * k)
+
+
+def test_size_one_data_axis_is_not_manual():
+    """One trn2 node runs the hybrid mesh with data=1: "once" then has nothing to reduce over
+    it and runs the per_minibatch program (XLA rejects an all-reduce manual over size-1 axes
+    only)."""
+    from trn_accum.core.reduce_once import manual_axes_for
+
+    mesh = jax.make_mesh((1, 2, 4), ("data", "fsdp", "model"))
+    specs = [P(("data", "fsdp"), None)]
+    assert manual_axes_for(mesh, specs, None) == ("fsdp",)
+    used = [(None, P("fsdp", "model"))]
+    assert manual_axes_for(mesh, specs, used) == ()
+    mesh2 = jax.make_mesh((2, 1, 4), ("data", "fsdp", "model"))
+    assert manual_axes_for(mesh2, specs, used) == ("data",)

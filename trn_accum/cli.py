@@ -1,16 +1,18 @@
-"""`trn-accum`: train | dry-run | neuron-env | prepare-data | plot | render-eks.
+"""`trn-accum`: train | dry-run | neuron-check | neuron-env | prepare-data | plot | render-eks.
 
     trn-accum train --config FILE [--set section.key=value ...] [--run-dir DIR]
                     [--profile START:STOP] [--allow-config-change KEY ...]
     trn-accum dry-run --config FILE [--set ...] [--devices 64] [--nodes N] [--json]
+    trn-accum neuron-check [--config FILE] [--run-dir DIR] [--json]   first thing on trn2
     trn-accum neuron-env                 the trn2 environment as shell `export` lines
     trn-accum prepare-data TEXT_FILES... --out DIR [--tokenizer bytes|tokenizer.json]
     trn-accum plot RUN_DIR [-o FILE.png]
     trn-accum render-eks --nodes N --image IMAGE [...]
 
-Exit codes (`trn_accum.errors`): 0 success; 1 a check failed (dry-run blockers) or a bug (with
-its traceback); 2 a user error (bad config, data, checkpoint, launch environment or arguments:
-one line on stderr, no traceback; also a run dir owned by another trainer, a resume that would
+Exit codes (`trn_accum.errors`): 0 success; 1 a check failed (dry-run blockers, a failing
+neuron-check row) or a bug (with its traceback); 2 a user error (bad config, data, checkpoint,
+launch environment or arguments: one line on stderr, no traceback; also a run dir owned by
+another trainer, a resume that would
 change the run's trajectory, or a run whose recent steps were all non-finite); 74 (EX_IOERR) a
 checkpoint or the run's record could not be written (disk full, quota, permissions, a vanished
 mount; the previous checkpoint is intact); 75 (EX_TEMPFAIL) preempted (SIGTERM/SIGINT) after
@@ -39,6 +41,7 @@ PROG = "trn-accum"
 # emulated devices, and the step then deadlocks in a rendezvous (seen on jax 0.10.2: the tiny
 # config at accum_steps=2 hung in 3 of 3 runs within 30 steps; 0 of 4 with this flag).
 CPU_XLA_FLAGS = ("--xla_cpu_enable_concurrency_optimized_scheduler=false",)
+NEURON_CHECK_CPU_DEVICES = 8  # `neuron-check` off-Neuron: the rows on 8 emulated devices
 
 
 def cpu_fallback_flags(environ=os.environ) -> None:
@@ -129,6 +132,21 @@ def _cmd_dry_run(args) -> int:
     )
     print(dryrun.format_report(report, as_json=args.json))
     return EXIT_FAILED if report.get("blockers") else EXIT_OK
+
+
+def _cmd_neuron_check(args) -> int:
+    from trn_accum.neuron import platform
+
+    # Off-Neuron the same rows run on emulated CPU devices (the Neuron pieces as stand-ins).
+    if not platform.neuron_available() and not _dry_run_env_ready(NEURON_CHECK_CPU_DEVICES):
+        return subprocess.call([sys.executable, "-m", "trn_accum.cli", *args.argv])
+    from trn_accum.cluster import distributed
+    from trn_accum.train import neuron_check
+
+    distributed.initialize()  # multi-process jobs: the cross-process psum row
+    report = neuron_check.run(args.config, overrides=args.overrides, run_dir=args.run_dir)
+    print(neuron_check.format_report(report, as_json=args.json))
+    return neuron_check.exit_code(report)
 
 
 def _cmd_neuron_env(args) -> int:
@@ -234,6 +252,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.add_argument("--json", action="store_true", help="print the report as JSON")
     d.set_defaults(func=_cmd_dry_run)
+
+    nc = sub.add_parser(
+        "neuron-check",
+        help="prove each risky trn2 piece on this node in minutes (run it on your first node)",
+    )
+    nc.add_argument(
+        "--config", default="configs/fuji-3b-trn2.toml", metavar="FILE", help="TOML config"
+    )
+    nc.add_argument(
+        "--set", action="append", default=[], metavar="SECTION.KEY=VALUE", dest="overrides"
+    )
+    nc.add_argument(
+        "--run-dir",
+        default=None,
+        metavar="DIR",
+        help="where the checkpoint row writes (default $TRN_ACCUM_RUN_DIR, else runs/neuron-check)",
+    )
+    nc.add_argument("--json", action="store_true", help="print the report as JSON")
+    nc.set_defaults(func=_cmd_neuron_check)
 
     ne = sub.add_parser(
         "neuron-env",

@@ -32,7 +32,7 @@ __all__ = [
     "constrain_leaves", "cut_spec", "divisibility_error", "drop_axes", "is_sharding_leaf",
     "is_spec", "leaf_shardings", "leaf_specs", "manual_axes", "merge_minibatches",
     "minibatch_specs", "nearest_valid_steps", "resolve_axes", "spec_axes", "split_leaf",
-    "split_minibatches", "valid_steps", "validate_batch", "validate_steps",
+    "split_minibatches", "valid_steps", "validate_batch", "validate_steps", "varying_like",
 ]
 # fmt: on
 
@@ -337,6 +337,21 @@ def manual_axes() -> frozenset[str]:
     am = jax.sharding.get_abstract_mesh()
     types = getattr(am, "axis_types", ()) or ()
     return frozenset(n for n, t in zip(am.axis_names, types, strict=False) if t == AxisType.Manual)
+
+
+def _varying_axes(a: jax.Array) -> frozenset[str]:
+    aval = jax.typeof(a)
+    mat = getattr(aval, "manual_axis_type", None)  # JAX >= 0.10; `vma` before
+    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
+
+
+def varying_like(x: Any, *like: jax.Array) -> Any:
+    """`x` (a pytree) marked as varying over every manual axis any of `like` varies over, so a
+    loop carry built from constants has the type its body returns inside `jax.shard_map`."""
+    axes = tuple(sorted(set().union(*(_varying_axes(a) for a in like))))
+    if not axes:
+        return x
+    return jax.tree.map(lambda a: jax.lax.pcast(a, axes, to="varying"), x)
 
 
 def drop_axes(spec: P | None, axes: Collection[str]) -> P:

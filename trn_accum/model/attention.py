@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from trn_accum.core.sharding import varying_like
 from trn_accum.neuron import kernels as nki_kernels  # the NKI adapter; no Neuron import
 
 # Finite, so that a query with no visible key yields a uniform (not NaN) row.
@@ -122,6 +123,7 @@ def _flash_forward(q, k, v, key_valid, block):
         jnp.zeros((b, kvh, g, sp, dh), q.dtype),
         jnp.zeros((b, kvh, g, sp), f32),
     )
+    init = varying_like(init, q, k, v, key_valid)  # inside shard_map (reduce="once")
     (_, _, _, o, lse), _ = lax.scan(step, init, (jnp.asarray(rows), jnp.asarray(cols)))
     return o, lse
 
@@ -177,6 +179,7 @@ def _flash_bwd_rule(block, res, d_out):
         return (dq, dk, dv), None
 
     init = (jnp.zeros(q.shape, f32), jnp.zeros(k.shape, f32), jnp.zeros(v.shape, f32))
+    init = varying_like(init, q, k, v, key_valid, d_out)
     (dq, dk, dv), _ = lax.scan(step, init, (jnp.asarray(rows), jnp.asarray(cols)))
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
 

@@ -220,6 +220,11 @@ def substitute(kernels: dict):
         _SUBSTITUTE.pop()
 
 
+def substituted() -> bool:
+    """Whether a `substitute(...)` block is active."""
+    return bool(_SUBSTITUTE)
+
+
 def active_kernels() -> dict:
     """The innermost `substitute(...)` kernels, else `load_nki_attention_kernels()`."""
     return _SUBSTITUTE[-1] if _SUBSTITUTE else load_nki_attention_kernels()

@@ -1,0 +1,91 @@
+"""`trn-accum neuron-check`: the table on CPU (exit 0), and a broken piece named (exit 1)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+import pytest
+
+from trn_accum import cli
+from trn_accum.neuron import kernels
+from trn_accum.train import neuron_check
+
+ROOT = Path(__file__).resolve().parents[1]
+F3B = str(ROOT / "configs" / "fuji-3b-trn2.toml")
+PIECES = [name for name, _ in neuron_check.ROWS]
+
+
+@pytest.mark.slow
+def test_cpu_table_every_row_passes_exit_0(tmp_path):
+    """The command as a user runs it (its own 8 emulated devices): one row per piece, every
+    applicable row passes, the Neuron kernels marked as CPU stand-ins, exit 0."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)  # the command sets its devices itself
+    r = subprocess.run(
+        [sys.executable, "-m", "trn_accum.cli", "neuron-check", "--config", F3B,
+         "--run-dir", str(tmp_path / "run"), "--json"],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rep = json.loads(r.stdout)
+    rows = {row["piece"]: row for row in rep["rows"]}
+    assert list(rows) == PIECES and rep["passed"] and rep["devices"] == 8
+    assert {row["status"] for row in rep["rows"]} <= {"pass", "skip"}
+    assert rows["psum-procs"]["status"] == "skip"  # one process
+    assert "CPU stand-in" in rows["neuron-flash"]["detail"]
+    assert "mesh data 2" in rows["reduce-once"]["detail"]  # the shard_map path, not a no-op
+    assert "psum over 8 devices = 28 (exact 28)" in rows["psum"]["detail"]
+    assert not list((tmp_path / "run").glob(".neuron-check-*"))  # the checkpoint row cleans up
+
+
+def _run_rows(monkeypatch, capsys, pieces, *argv):
+    """`trn-accum neuron-check` in this process (its 8 devices), limited to `pieces`."""
+    rows = tuple(r for r in neuron_check.ROWS if r[0] in pieces)
+    monkeypatch.setattr(neuron_check, "ROWS", rows)
+    code = cli.main(["neuron-check", "--config", F3B, *argv])
+    return code, capsys.readouterr().out
+
+
+def test_lnc_pair_that_disagrees_fails_and_is_named(monkeypatch, capsys):
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "2")
+    monkeypatch.setenv("NEURON_CC_FLAGS", "--target=trn2 --lnc=1")
+    code, out = _run_rows(monkeypatch, capsys, {"lnc", "prng"})
+    assert code == 1
+    lnc = next(line for line in out.splitlines() if "  lnc  " in line)
+    assert lnc.startswith("FAIL") and "NEURON_LOGICAL_NC_CONFIG=2" in lnc and "--lnc=1" in lnc
+    assert out.splitlines()[-1].startswith("FAILED: lnc")
+    assert any(line.startswith("pass") and "prng" in line for line in out.splitlines())
+
+
+def test_attention_kernel_whose_outputs_differ_fails_and_is_named(monkeypatch, capsys):
+    """An attention override 1% off: the neuron-flash row fails with the error it measured."""
+    ref = kernels.reference_kernels()
+
+    def off_by_one_percent(*args, **kwargs):
+        out, neg_max, recip = ref["fwd"].fn(*args, **kwargs)
+        return out * jnp.asarray(1.01, out.dtype), neg_max, recip
+
+    broken = {"fwd": kernels.Launchable(off_by_one_percent, "broken"), "bwd": ref["bwd"]}
+    with kernels.substitute(broken):
+        code, out = _run_rows(monkeypatch, capsys, {"neuron-flash"}, "--json")
+    rep = json.loads(out)
+    assert code == 1 and not rep["passed"]
+    (row,) = rep["rows"]
+    assert row["piece"] == "neuron-flash" and row["status"] == "FAIL"
+    assert "substituted kernels" in row["detail"] and "max relative error" in row["detail"]
+    assert broken["fwd"].grids == [2]  # launched on the LNC grid
+
+
+def test_row_that_raises_fails_with_one_line(monkeypatch, capsys):
+    def boom(check):
+        raise RuntimeError("compiler said no\nsecond line")
+
+    monkeypatch.setattr(neuron_check, "row_blockwise", boom)
+    rows = tuple((n, boom if n == "blockwise" else f) for n, f in neuron_check.ROWS)
+    monkeypatch.setattr(neuron_check, "ROWS", rows)
+    code, out = _run_rows(monkeypatch, capsys, {"blockwise", "psum"})
+    line = next(x for x in out.splitlines() if "blockwise" in x and x.startswith("FAIL"))
+    assert code == 1 and "RuntimeError: compiler said no" in line and "second line" not in out

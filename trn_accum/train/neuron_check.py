@@ -1,0 +1,443 @@
+"""`trn-accum neuron-check`: prove each risky piece of a trn2 run on the first node, in minutes.
+
+Each row compiles and runs one small program on this process's devices and compares it with
+its reference (the same program another way, on the same devices, or exact arithmetic):
+
+    platform      the JAX backend and its device count (64 per trn2.48xlarge at LNC=2)
+    lnc           compiler and runtime logical-core size agree, and the runtime's device count
+                  is what that size gives
+    prng          the PRNG in use (rbg on Neuron), a jitted draw equal to an eager one
+    psum          an all-device psum equal to its exact integer sum
+    psum-procs    the same across processes (multi-process jobs only)
+    accumulate    the real train step (the config's model pieces, reduced size) at k=4 equal to
+                  k=1: loss and gradient norm
+    reduce-once   reduce="once" equal to "per_minibatch"
+    blockwise     blockwise attention equal to plain (output and gradients)
+    neuron-flash  neuron_flash equal to blockwise (the NKI kernels where importable, else the
+                  CPU stand-ins, marked so)
+    remat         a remat'ed bf16 layer equal to the plain one (the preflight warns that remat can
+                  emit reduce-precision, which Neuron lists unsupported: this row proves it runs)
+    checkpoint    a save and restore on the run directory's filesystem, bit-exact
+    cache         the compile-cache directories writable
+
+Exit 0 only if every applicable row passes; a failing row names the piece and what it saw.
+Off-Neuron the same rows run on emulated CPU devices with the stand-ins marked; the test suite
+runs it there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+import shutil
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from trn_accum.errors import EXIT_FAILED, EXIT_OK
+from trn_accum.model import attention as attn_lib
+from trn_accum.model import fuji
+from trn_accum.neuron import kernels, platform
+from trn_accum.train.checkpoint import Checkpointer
+from trn_accum.train.config import Config, load_config
+
+PASS, FAIL, SKIP = "pass", "FAIL", "skip"
+RTOL = 2e-5  # float32 programs computed two ways
+RTOL_BF16 = 2e-2  # the bf16 remat row
+
+
+@dataclasses.dataclass
+class Row:
+    piece: str
+    status: str
+    detail: str
+    seconds: float = 0.0
+
+
+class Check:
+    """What the rows share: the config, the devices and the probe model derived from them."""
+
+    def __init__(self, cfg: Config, run_dir: str):
+        self.cfg, self.run_dir = cfg, run_dir
+        self.devices = jax.local_devices()
+        self.on_neuron = jax.default_backend() == "neuron"
+
+    # -------------------------------------------------------------------- the probe config
+
+    def probe(self, *, data: int = 1, **trainer) -> Config:
+        """The config's model pieces (attention, remat, head_dim, GQA ratio, mesh rules) at a
+        size that compiles in seconds, float32, on a mesh over this process's devices: the
+        config's model axis, `data` (when it divides) and fsdp the rest."""
+        c, n = self.cfg, len(self.devices)
+        model_axis = c.mesh.model if c.mesh.model > 0 and n % c.mesh.model == 0 else 1
+        data = data if (n // model_axis) % data == 0 else 1
+        fsdp = n // model_axis // data
+        group = max(1, c.model.num_heads // max(1, c.model.num_kv_heads))
+        seq = 256
+        m = dataclasses.replace(
+            c.model,
+            vocab_size=1024,
+            num_layers=2,
+            hidden_dim=256,
+            num_kv_heads=model_axis,
+            num_heads=model_axis * group,
+            ffn_dim=512,
+            max_seq_len=seq,
+            compute_dtype="float32",
+            layer_loop="scan",
+            attention_block=min(c.model.attention_block, 128),
+            loss_chunk=min(c.model.loss_chunk, seq) if c.model.loss_chunk else 0,
+        )
+        mesh = dataclasses.replace(c.mesh, data=data, fsdp=fsdp, model=model_axis, nodes=1)
+        shards = n // model_axis
+        data = dataclasses.replace(
+            c.data, kind="synthetic", seq_len=seq, global_batch=shards * 4, path=""
+        )
+        t = dataclasses.replace(
+            c.trainer, **{"accum_steps": 1, "reduce": "per_minibatch", **trainer}
+        )
+        return dataclasses.replace(c, model=m, mesh=mesh, data=data, trainer=t)
+
+    def train_step(self, cfg: Config) -> dict:
+        """One real train step of `cfg` from its initial state: the metrics as floats."""
+        from trn_accum.train.loop import Trainer
+
+        trainer = Trainer.build(cfg, self.devices)
+        _, metrics = trainer.step(trainer.init(), trainer.batch(0))
+        return {k: float(v) for k, v in jax.device_get(metrics).items()}
+
+
+# ---------------------------------------------------------------------------- the rows
+
+
+def row_platform(c: Check) -> tuple[str, str]:
+    n, backend = len(c.devices), jax.default_backend()
+    detail = f"backend {backend}, {n} devices in this process, {jax.device_count()} in the job"
+    if not c.on_neuron:
+        return PASS, detail + " (not Neuron: the Neuron rows below use CPU stand-ins)"
+    want = _neuron_devices_expected()
+    if want is not None and n != want:
+        return FAIL, f"{detail}; expected {want} ({_chips()} chips x 8 cores / LNC)"
+    return PASS, detail
+
+
+def _chips() -> int:
+    return len(glob.glob("/dev/neuron[0-9]*"))
+
+
+def _neuron_devices_expected() -> int | None:
+    """Devices this process should see: Neuron chips x 8 physical cores / LNC (None when the
+    cores are restricted with NEURON_RT_VISIBLE_CORES or no /dev/neuron* is visible)."""
+    if os.environ.get("NEURON_RT_VISIBLE_CORES") or not _chips():
+        return None
+    return _chips() * platform.TRN2_CORES_PER_CHIP // platform.lnc_setting()
+
+
+def row_lnc(c: Check) -> tuple[str, str]:
+    runtime = (
+        os.environ.get("NEURON_LOGICAL_NC_CONFIG") or f"unset (default {platform.DEFAULT_LNC})"
+    )
+    flag = platform.cc_flags_lnc(os.environ.get("NEURON_CC_FLAGS", ""))
+    try:
+        lnc = platform.lnc_setting()
+    except ValueError as e:
+        return FAIL, str(e)
+    detail = f"runtime NEURON_LOGICAL_NC_CONFIG {runtime}, compiler --lnc {flag or 'not given'}"
+    detail += f"; kernels launched [lnc={lnc}]"
+    if c.on_neuron:
+        want = _neuron_devices_expected()
+        got = len(c.devices)
+        if want is not None and got != want:
+            return FAIL, f"{detail}; the runtime gives {got} devices, LNC={lnc} gives {want}"
+        detail += f"; runtime gives {got} devices"
+    return PASS, detail
+
+
+def row_prng(c: Check) -> tuple[str, str]:
+    impl = platform.configure_prng("neuron" if c.on_neuron else "other")
+    if c.on_neuron and impl != "rbg":
+        return FAIL, f"PRNG {impl} on Neuron: the trainer must use rbg (threefry unsupported)"
+    key = jax.random.key(0)
+    eager = np.asarray(jax.random.normal(key, (1024,)))
+    jitted = np.asarray(jax.jit(lambda k: jax.random.normal(k, (1024,)))(key))
+    if not np.array_equal(eager, jitted):
+        return FAIL, f"PRNG {impl}: a jitted draw differs from the eager one"
+    return PASS, f"{impl}; jitted draw == eager draw"
+
+
+def _psum(devices: Sequence[Any]) -> tuple[float, float]:
+    """psum over `devices` of their indices: (got, exact n(n-1)/2)."""
+    n = len(devices)
+    mesh = jax.sharding.Mesh(np.asarray(devices), ("all",))
+    sharding = NamedSharding(mesh, P("all"))
+    x = jax.make_array_from_callback(
+        (n,), sharding, lambda idx: np.arange(n, dtype=np.float32)[idx]
+    )
+    f = jax.jit(
+        jax.shard_map(lambda v: jax.lax.psum(v, "all"), mesh=mesh, in_specs=P("all"), out_specs=P())
+    )
+    got = float(np.asarray(f(x).addressable_data(0))[0])
+    return got, n * (n - 1) / 2
+
+
+def row_psum(c: Check) -> tuple[str, str]:
+    got, want = _psum(c.devices)
+    status = PASS if got == want else FAIL
+    return status, f"psum over {len(c.devices)} devices = {got:g} (exact {want:g})"
+
+
+def row_psum_procs(c: Check) -> tuple[str, str]:
+    if jax.process_count() == 1:
+        return SKIP, "one process"
+    got, want = _psum(jax.devices())
+    status = PASS if got == want else FAIL
+    return (
+        status,
+        f"psum over {jax.device_count()} devices of {jax.process_count()} processes = {got:g} "
+        f"(exact {want:g})",
+    )
+
+
+def _close(a: float, b: float, rtol: float) -> bool:
+    return abs(a - b) <= rtol * max(abs(a), abs(b), 1e-30)
+
+
+def _compare_steps(c: Check, name_a: str, a: Config, name_b: str, b: Config) -> tuple[str, str]:
+    ma, mb = c.train_step(a), c.train_step(b)
+    keys = ("loss", "grad_norm")
+    ok = all(_close(ma[k], mb[k], RTOL) for k in keys)
+    detail = "; ".join(f"{k} {ma[k]:.7g} ({name_a}) vs {mb[k]:.7g} ({name_b})" for k in keys)
+    return (PASS if ok else FAIL), detail
+
+
+def row_accumulate(c: Check) -> tuple[str, str]:
+    return _compare_steps(c, "k=4", c.probe(accum_steps=4), "k=1", c.probe(accum_steps=1))
+
+
+def row_reduce_once(c: Check) -> tuple[str, str]:
+    """On a mesh with data=2 (on one node the config's data axis is 1, where "once" has nothing
+    to reduce and runs the per_minibatch program): the shard_map path and its one psum."""
+    once = c.probe(data=2, accum_steps=4, reduce="once")
+    status, detail = _compare_steps(
+        c, "once", once, "per_minibatch", c.probe(data=2, accum_steps=4)
+    )
+    return (
+        status,
+        f"{detail}; mesh data {once.mesh.data} x fsdp {once.mesh.fsdp} x model {once.mesh.model}",
+    )
+
+
+def _attention_inputs(c: Check, seq: int = 256):
+    m = c.probe().model
+    ks = jax.random.split(jax.random.key(1), 4)
+    shape_q = (2, seq, m.num_heads, m.head_dim)
+    shape_kv = (2, seq, m.num_kv_heads, m.head_dim)
+    q = jax.random.normal(ks[0], shape_q, jnp.float32)
+    k, v = (jax.random.normal(kk, shape_kv, jnp.float32) for kk in ks[1:3])
+    ct = jax.random.normal(ks[3], shape_q, jnp.float32)
+    return (q, k, v, ct), m.attention_block
+
+
+def _out_and_grads(fn: Callable, q, k, v, ct):
+    out, vjp = jax.vjp(fn, q, k, v)
+    return [out, *vjp(ct)]
+
+
+def _max_rel(got, want) -> float:
+    return max(
+        float(jnp.max(jnp.abs(g - w)) / (jnp.max(jnp.abs(w)) + 1e-30))
+        for g, w in zip(got, want, strict=True)
+    )
+
+
+def _compare_attention(fn, ref, args, tol: float, what: str) -> tuple[str, str]:
+    got = jax.jit(lambda *a: _out_and_grads(fn, *a))(*args)
+    want = jax.jit(lambda *a: _out_and_grads(ref, *a))(*args)
+    err = _max_rel(got, want)
+    status = PASS if err <= tol else FAIL
+    return status, f"{what}: max relative error of output, dq, dk, dv {err:.2e} (limit {tol:g})"
+
+
+def row_blockwise(c: Check) -> tuple[str, str]:
+    args, block = _attention_inputs(c)
+    fn = lambda q, k, v: attn_lib.blockwise_attention(q, k, v, block_size=block)  # noqa: E731
+    return _compare_attention(
+        fn, attn_lib.plain_attention, args, RTOL, f"blockwise (block {block}) vs plain"
+    )
+
+
+def row_neuron_flash(c: Check) -> tuple[str, str]:
+    args, block = _attention_inputs(c)
+    try:
+        found = kernels.active_kernels()
+        label = "substituted kernels" if kernels.substituted() else "NKI Library kernels"
+    except ValueError as e:
+        if c.on_neuron:
+            return FAIL, str(e)
+        found, label = kernels.reference_kernels(), "CPU stand-in kernels"
+    fn = lambda q, k, v: kernels.flash_attention(q, k, v, kernels=found)  # noqa: E731
+    ref = lambda q, k, v: attn_lib.blockwise_attention(q, k, v, block_size=block)  # noqa: E731
+    return _compare_attention(fn, ref, args, RTOL, f"neuron_flash ({label}) vs blockwise")
+
+
+def row_remat(c: Check) -> tuple[str, str]:
+    m = dataclasses.replace(c.probe().model, compute_dtype="bfloat16", num_layers=1)
+    policy = c.cfg.model.remat if c.cfg.model.remat != "none" else "full"
+    params = fuji.init_params(m, jax.random.key(2))
+    tokens = jax.random.randint(jax.random.key(3), (2, 128), 0, m.vocab_size)
+    batch = {"input_ids": tokens, "target_labels": tokens, "target_mask": jnp.ones_like(tokens)}
+
+    def grads(model):
+        loss = lambda p: fuji.loss_fn(p, batch, model)[0]  # noqa: E731
+        return jax.jit(jax.grad(loss))(params)
+
+    got = jax.tree.leaves(grads(dataclasses.replace(m, remat=policy)))
+    want = jax.tree.leaves(grads(dataclasses.replace(m, remat="none")))
+    err = _max_rel(got, want)
+    status = PASS if err <= RTOL_BF16 else FAIL
+    return (
+        status,
+        f"remat {policy!r}, bf16: max relative gradient error vs no remat {err:.2e} "
+        f"(limit {RTOL_BF16:g})",
+    )
+
+
+def row_checkpoint(c: Check) -> tuple[str, str]:
+    os.makedirs(c.run_dir, exist_ok=True)
+    where = tempfile.mkdtemp(prefix=".neuron-check-", dir=c.run_dir)
+    try:
+        mesh = jax.sharding.Mesh(np.asarray(c.devices), ("all",))
+        n = len(c.devices)
+        x = jax.device_put(
+            jnp.arange(n * 8, dtype=jnp.float32) * 0.1, NamedSharding(mesh, P("all"))
+        )
+        state = {"x": x, "step": jnp.asarray(7, jnp.int32)}
+        with Checkpointer(where, async_save=True) as ckpt:
+            ckpt.save(1, state, force=True)
+            ckpt.wait_until_finished()
+            target = jax.tree.map(
+                lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state
+            )
+            restored, _ = ckpt.restore(target, 1)
+        same = all(
+            np.array_equal(np.asarray(a), np.asarray(b))
+            for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state), strict=True)
+        )
+        if not same:
+            return FAIL, f"restored state differs from the saved one in {where}"
+        return PASS, f"saved and restored bit-exactly under {c.run_dir}"
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+
+
+def _cache_dirs() -> list[tuple[str, str]]:
+    env = platform.trn2_env() if platform.neuron_available() else dict(os.environ)
+    return [
+        (k, env[k]) for k in ("NEURON_COMPILE_CACHE_URL", "JAX_COMPILATION_CACHE_DIR") if env.get(k)
+    ]
+
+
+def row_cache(c: Check) -> tuple[str, str]:
+    dirs = _cache_dirs()
+    if not dirs:
+        return (
+            SKIP,
+            "no compile cache configured (NEURON_COMPILE_CACHE_URL, JAX_COMPILATION_CACHE_DIR)",
+        )
+    seen = []
+    for key, path in dirs:
+        if "://" in path:
+            seen.append(f"{key}={path} (a URL: not probed)")
+            continue
+        try:
+            os.makedirs(path, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=path, prefix=".neuron-check-"):
+                pass
+        except OSError as e:
+            return (
+                FAIL,
+                f"{key}={path} is not writable ({e.strerror}): fix it or point it elsewhere",
+            )
+        seen.append(f"{key}={path} writable")
+    return PASS, "; ".join(seen)
+
+
+ROWS: tuple[tuple[str, Callable[[Check], tuple[str, str]]], ...] = (
+    ("platform", row_platform),
+    ("lnc", row_lnc),
+    ("prng", row_prng),
+    ("psum", row_psum),
+    ("psum-procs", row_psum_procs),
+    ("accumulate", row_accumulate),
+    ("reduce-once", row_reduce_once),
+    ("blockwise", row_blockwise),
+    ("neuron-flash", row_neuron_flash),
+    ("remat", row_remat),
+    ("checkpoint", row_checkpoint),
+    ("cache", row_cache),
+)
+
+
+# ---------------------------------------------------------------------------- running
+
+
+def run(config_path: str, *, overrides: Sequence[str] = (), run_dir: str | None = None) -> dict:
+    """Every row, in order; a row that raises fails with its one-line cause."""
+    t0 = time.perf_counter()
+    cfg = load_config(config_path, overrides)
+    run_dir = run_dir or os.environ.get("TRN_ACCUM_RUN_DIR") or os.path.join("runs", "neuron-check")
+    check = Check(cfg, run_dir)
+    rows = []
+    for piece, fn in ROWS:
+        t = time.perf_counter()
+        try:
+            status, detail = fn(check)
+        except Exception as e:  # the row's piece is broken: name it, keep going
+            last = traceback.extract_tb(e.__traceback__)[-1]
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            status, detail = (
+                FAIL,
+                f"{type(e).__name__}: {msg} (at {os.path.basename(last.filename)}:{last.lineno})",
+            )
+        rows.append(Row(piece, status, detail, round(time.perf_counter() - t, 2)))
+    return {
+        "config": config_path,
+        "backend": jax.default_backend(),
+        "devices": len(check.devices),
+        "processes": jax.process_count(),
+        "rows": [dataclasses.asdict(r) for r in rows],
+        "passed": all(r.status != FAIL for r in rows),
+        "seconds": round(time.perf_counter() - t0, 2),
+    }
+
+
+def exit_code(report: dict) -> int:
+    return EXIT_OK if report["passed"] else EXIT_FAILED
+
+
+def format_report(report: dict, *, as_json: bool = False) -> str:
+    if as_json:
+        return json.dumps(report, indent=2)
+    width = max(len(r["piece"]) for r in report["rows"])
+    lines = [
+        f"neuron-check of {report['config']}: backend {report['backend']}, "
+        f"{report['devices']} devices, {report['processes']} process(es)"
+    ]
+    for r in report["rows"]:
+        lines.append(
+            f"{r['status']:<4}  {r['piece']:<{width}}  {r['detail']}  [{r['seconds']:.1f} s]"
+        )
+    failed = [r["piece"] for r in report["rows"] if r["status"] == FAIL]
+    verdict = "all rows pass" if not failed else f"FAILED: {', '.join(failed)}"
+    lines.append(f"{verdict} ({report['seconds']:.0f} s)")
+    return "\n".join(lines)
