@@ -5,7 +5,9 @@
 #       slurm-wlm for the Slurm tests, and the test suite (`make test`) as the command.
 #   docker build --target neuron -t trn-accum:neuron .
 #       for trn2: the AWS Neuron JAX training container (JAX, jax-neuronx, libneuronxla,
-#       neuronx-cc, EFA) with this package added without replacing the image's JAX stack.
+#       neuronx-cc, nki, EFA) with this package added without replacing the image's JAX
+#       stack, whose jax/jaxlib must equal constraints.txt's pins; its command is
+#       `trn-accum neuron-check`.
 #       Run it with the Neuron devices passed in (EKS: launch/eks/, `trn-accum render-eks`).
 
 # ----------------------------------------------------------------------------- neuron
@@ -19,14 +21,19 @@ WORKDIR /workspace/trn_accum
 COPY . .
 # Pin the image's JAX/Neuron packages as constraints: pip then installs only what is missing
 # (optax, orbax-checkpoint, ...) and fails instead of replacing JAX.
+# The image's JAX must be the one constraints.txt pins (the JAX the CPU test suite runs on),
+# and the current NKI namespace (`import nki`) must be there (neuronxcc's is gone from 2.34).
 RUN python -m pip freeze \
       | grep -iE '^(jax|jaxlib|jax[-_]neuronx|libneuronxla|neuronx[-_]cc|nki|numpy)==' \
       > /tmp/neuron-constraints.txt \
+ && grep -iE '^(jax|jaxlib)==' /tmp/neuron-constraints.txt | sort > /tmp/jax-image.txt \
+ && grep -iE '^(jax|jaxlib)==' constraints.txt | sort | diff - /tmp/jax-image.txt \
  && python -m pip install -c /tmp/neuron-constraints.txt -e . \
- && python -m pip freeze | grep -iE '^(jax|jaxlib)==' > /tmp/jax-after.txt \
- && grep -iE '^(jax|jaxlib)==' /tmp/neuron-constraints.txt | diff - /tmp/jax-after.txt \
+ && python -m pip freeze | grep -iE '^(jax|jaxlib)==' | sort | diff /tmp/jax-image.txt - \
+ && python -c "import nki" \
  && trn-accum --help > /dev/null
-CMD ["trn-accum", "--help"]
+# On the first trn2 node: docker run ... trn-accum:neuron trn-accum neuron-check
+CMD ["trn-accum", "neuron-check"]
 
 # ----------------------------------------------------------------------------- cpu (default)
 FROM python:3.11-slim-bookworm AS cpu

@@ -212,3 +212,36 @@ def test_cli_render_eks(tmp_path, capsys):
     assert cli.main(["render-eks", "--nodes", "0", "--image", IMAGE]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("trn-accum: error:") and "--nodes 0" in err and "\n" not in err
+
+
+@pytest.mark.parametrize("check_rc, want_rc, trained", [(0, 0, True), (1, 2, False)])
+def test_neuron_check_option_runs_first_and_fails_the_job(tmp_path, check_rc, want_rc, trained):
+    """--neuron-check: the pod script runs `trn-accum neuron-check` before training; when a row
+    fails the pod exits 2 (podFailurePolicy: FailJob, no retries) and training never starts.
+    The script is run here with `trn-accum` and launch/env/trn2.sh replaced by recorders."""
+    job = by_kind(manifests(2, IMAGE, neuron_check=True))["Job"]
+    rules = job["spec"]["podFailurePolicy"]["rules"]
+    assert {"action": "FailJob", "onExitCodes": {"containerName": "train", "operator": "In",
+            "values": [2]}} in rules  # fmt: skip
+    script = job["spec"]["template"]["spec"]["containers"][0]["command"][-1]
+    assert script.index("trn-accum neuron-check") < script.index("exec trn-accum train")
+    assert "neuron-check" not in by_kind(manifests(2, IMAGE))["Job"]["spec"]["template"][
+        "spec"]["containers"][0]["command"][-1]  # fmt: skip
+    (tmp_path / "launch" / "env").mkdir(parents=True)
+    (tmp_path / "launch" / "env" / "trn2.sh").write_text("")
+    fake = tmp_path / "bin" / "trn-accum"
+    fake.parent.mkdir()
+    fake.write_text(
+        f'#!/bin/bash\necho "$1" >> {tmp_path}/calls\n'
+        f'[[ "$1" == neuron-check ]] && exit {check_rc}\nexit 0\n'
+    )
+    fake.chmod(0o755)
+    env = {"PATH": f"{fake.parent}:/usr/bin:/bin"}
+    r = subprocess.run(
+        ["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert r.returncode == want_rc, r.stderr
+    calls = (tmp_path / "calls").read_text().split()
+    assert calls == (["neuron-check", "train"] if trained else ["neuron-check"])
+    if not trained:
+        assert "neuron-check failed: not training" in r.stderr

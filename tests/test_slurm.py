@@ -358,3 +358,26 @@ def test_trn2_env_keeps_preset_values(tmp_path):
         assert env[k] == v
     assert env["JAX_COMPILATION_CACHE_DIR"] == f"{tmp_path}/fsx/cache/jax"
     assert not (tmp_path / "s3:").exists()  # URLs are not created as directories
+
+
+@pytest.mark.slow
+def test_neuron_check_option_fails_the_job_before_training(cluster, tmp_path):
+    """TRN_ACCUM_NEURON_CHECK=1 runs the real `trn-accum neuron-check` on every node first; a
+    broken piece (here a compiler/runtime LNC pair that disagrees) ends the job with exit 2,
+    names the row in the check log, and no training task ever starts."""
+    run = tmp_path / "run"
+    env = job_env(
+        tmp_path,
+        run,
+        TRN_ACCUM_NEURON_CHECK="1",
+        NEURON_LOGICAL_NC_CONFIG="2",
+        NEURON_CC_FLAGS="--target=trn2 --lnc=1",
+    )
+    job = sbatch(cluster, tmp_path, env, "--mode", "psum", wait=False)
+    wait_for(lambda: cluster.job_field(job, "JobState") in ("FAILED", "COMPLETED"), 600, "job")
+    assert cluster.job_field(job, "ExitCode") == "2:0"
+    assert not (run / "starts").exists()  # the trainer never ran
+    (log,) = (run / "logs").glob(f"{job}-r0-check-*.log")
+    text = log.read_text()
+    assert any(x.startswith("FAIL") and " lnc " in x for x in text.splitlines()), text
+    assert "neuron-check failed (exit 1), not training" in _batch_log(tmp_path, job)

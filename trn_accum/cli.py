@@ -190,6 +190,7 @@ def _cmd_render_eks(args) -> int:
         train_args=train_args,
         max_restarts=args.max_restarts,
         scheduler_name=args.scheduler_name,
+        neuron_check=args.neuron_check,
     )
     if args.output == "-":
         sys.stdout.write(text)
@@ -316,6 +317,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="ARG",
         help="any extra `trn-accum train` argument, verbatim (repeatable; use --train-arg=-x)",
+    )
+    r.add_argument(
+        "--neuron-check",
+        action="store_true",
+        help="each pod runs `trn-accum neuron-check` first; a failing row fails the Job",
     )
     r.add_argument("-o", "--output", default="-", help="output file (default: stdout)")
     r.set_defaults(func=_cmd_render_eks)

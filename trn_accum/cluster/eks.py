@@ -113,6 +113,7 @@ def manifests(
     shm_size: str = "64Gi",
     grace_seconds: int = 120,
     workdir: str = DEFAULT_WORKDIR,
+    neuron_check: bool = False,
 ) -> list[dict[str, Any]]:
     """The Service and the Indexed Job as dicts (see `render_eks`)."""
     _check(nodes, image, config, name, namespace, pvc, max_restarts, grace_seconds)
@@ -123,10 +124,18 @@ def manifests(
     }
     meta = {"name": name, "namespace": namespace, "labels": dict(labels)}
     train = ["trn-accum", "train", "--config", config, "--run-dir", run_dir, *train_args]
+    check = ["trn-accum", "neuron-check", "--config", config, "--run-dir", run_dir]
     script = (
         "set -euo pipefail\n"
         "source launch/env/trn2.sh\n"
-        f"exec {' '.join(shlex.quote(a) for a in train)}\n"
+        + (
+            f"{' '.join(shlex.quote(a) for a in check)} || {{ echo 'neuron-check failed: "
+            f"not training (a broken piece fails the Job, not retried)' >&2; "
+            f"exit {EXIT_USAGE}; }}\n"
+            if neuron_check
+            else ""
+        )
+        + f"exec {' '.join(shlex.quote(a) for a in train)}\n"
     )
     env = [
         {"name": "TRN_ACCUM_NUM_PROCESSES", "value": str(nodes)},
@@ -258,7 +267,9 @@ def render_eks(nodes: int, image: str, config: str = DEFAULT_CONFIG, **options: 
       resumes from its newest checkpoint), train_args (extra `trn-accum train` arguments, e.g.
       ("--set", "trainer.accum_steps=32")), max_restarts (whole-job restarts after crashes:
       backoffLimit = nodes x max_restarts), scheduler_name (e.g. the Neuron scheduler
-      extension's, if installed as a separate scheduler), shm_size, grace_seconds, workdir.
+      extension's, if installed as a separate scheduler), shm_size, grace_seconds, workdir,
+      neuron_check (every pod runs `trn-accum neuron-check` before training; a failing row
+      fails the Job with exit 2 in minutes, before a long compile).
     """
     docs = manifests(nodes, image, config, **options)
     name = options.get("name", DEFAULT_NAME)
@@ -269,6 +280,8 @@ def render_eks(nodes: int, image: str, config: str = DEFAULT_CONFIG, **options: 
     max_restarts = options.get("max_restarts", 3)
     scheduler_name = options.get("scheduler_name")
     cmd = ["trn-accum", "render-eks", "--nodes", str(nodes), "--image", image]
+    if options.get("neuron_check"):
+        cmd.append("--neuron-check")
     if config != DEFAULT_CONFIG:
         cmd += ["--config", config]
     for flag, value, default in (

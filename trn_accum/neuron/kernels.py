@@ -41,8 +41,8 @@ from jax.sharding import PartitionSpec as P
 from trn_accum.neuron import platform
 
 NEURON_EXTRA_HINT = (
-    "run in the AWS Neuron JAX container (SDK 2.32+, which ships nki and the NKI Library), or "
-    "use attention='blockwise'"
+    "run in the AWS Neuron JAX container (SDK 2.32+ ships nki and the NKI Library) or install "
+    "the [neuron] extra from the Neuron pip repository, or use attention='blockwise'"
 )
 #: Where the kernels live, newest layout first (module, forward name, backward name).
 KERNEL_MODULES = (

@@ -83,8 +83,7 @@ class Trainer:
     def build(cls, cfg: Config, devices=None) -> Trainer:
         step.check_attention(cfg)
         mesh = step.make_mesh(cfg, devices)
-        cfg, tuned = resolve_accum_steps(cfg, mesh)
-        program = step.build_step(cfg, mesh)
+        # The data first: a bad data path or file is reported before anything compiles.
         dataset = data_lib.make_dataset(
             cfg.data.kind,
             seq_len=cfg.data.seq_len,
@@ -94,6 +93,8 @@ class Trainer:
             path=cfg.data.path or None,
             max_seq_len=cfg.model.max_seq_len,
         )
+        cfg, tuned = resolve_accum_steps(cfg, mesh)
+        program = step.build_step(cfg, mesh)
         return cls(
             program=program,
             eval_fn=step.make_eval_step(cfg, mesh, program.state_shardings["params"]),

@@ -312,32 +312,44 @@ def row_remat(c: Check) -> tuple[str, str]:
     )
 
 
+def _shared_name() -> str:
+    """One fresh directory name, the same on every process (process 0's draw, broadcast)."""
+    token = np.asarray(int.from_bytes(os.urandom(4), "little") >> 1, np.int32)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        token = multihost_utils.broadcast_one_to_all(token)
+    return f".neuron-check-{int(token):x}"
+
+
 def row_checkpoint(c: Check) -> tuple[str, str]:
-    os.makedirs(c.run_dir, exist_ok=True)
-    where = tempfile.mkdtemp(prefix=".neuron-check-", dir=c.run_dir)
+    """A state sharded over every device of the job, saved and restored through the trainer's
+    Checkpointer (orbax) in the run directory (shared storage in multi-node jobs)."""
+    where = os.path.join(c.run_dir, _shared_name())
+    devices = jax.devices()
+    mesh = jax.sharding.Mesh(np.asarray(devices), ("all",))
+    sharding = NamedSharding(mesh, P("all"))
+    full = np.arange(len(devices) * 8, dtype=np.float32) * 0.1
+    x = jax.make_array_from_callback(full.shape, sharding, lambda idx: full[idx])
+    state = {"x": x, "step": np.asarray(7, np.int32)}
     try:
-        mesh = jax.sharding.Mesh(np.asarray(c.devices), ("all",))
-        n = len(c.devices)
-        x = jax.device_put(
-            jnp.arange(n * 8, dtype=jnp.float32) * 0.1, NamedSharding(mesh, P("all"))
-        )
-        state = {"x": x, "step": jnp.asarray(7, jnp.int32)}
         with Checkpointer(where, async_save=True) as ckpt:
             ckpt.save(1, state, force=True)
             ckpt.wait_until_finished()
-            target = jax.tree.map(
-                lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), state
-            )
+            target = {
+                "x": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+                "step": jax.ShapeDtypeStruct((), np.int32),
+            }
             restored, _ = ckpt.restore(target, 1)
-        same = all(
-            np.array_equal(np.asarray(a), np.asarray(b))
-            for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state), strict=True)
-        )
-        if not same:
-            return FAIL, f"restored state differs from the saved one in {where}"
+        shards = [np.asarray(s.data) for s in restored["x"].addressable_shards]
+        want = [full[s.index] for s in restored["x"].addressable_shards]
+        same = all(np.array_equal(a, b) for a, b in zip(shards, want, strict=True))
+        if not same or int(restored["step"]) != 7:
+            return FAIL, f"the state restored from {where} differs from the one saved"
         return PASS, f"saved and restored bit-exactly under {c.run_dir}"
     finally:
-        shutil.rmtree(where, ignore_errors=True)
+        if jax.process_index() == 0:
+            shutil.rmtree(where, ignore_errors=True)
 
 
 def _cache_dirs() -> list[tuple[str, str]]:
