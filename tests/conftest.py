@@ -48,3 +48,29 @@ def partitioner(request):
     jax.config.update("jax_use_shardy_partitioner", request.param == "shardy")
     yield request.param
     jax.config.update("jax_use_shardy_partitioner", old)
+
+
+def subprocess_env(devices: int = 8, **extra) -> dict:
+    """The environment of a `trn-accum` subprocess in the tests: CPU platform with `devices`
+    emulated devices, no launcher variables. No persistent compilation cache: on this machine's
+    CPUs jaxlib 0.10.0's XLA rejects every cached CPU executable with two error lines
+    (openxla/xla#44565, tuning flags in the host-feature check), so a cache only adds noise."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TRN_ACCUM_"))}
+    env.pop("JOB_COMPLETION_INDEX", None)
+    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+    env.update(extra)
+    return env
+
+
+def user_error_line(r, code: int = 2, *needles: str) -> str:
+    """A finished `trn-accum` process failed as a user error should: exit `code`, no traceback,
+    exactly one stderr line `trn-accum: error: ...` containing every needle. Returns it."""
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == code, (r.returncode, r.stdout[-2000:], r.stderr[-3000:])
+    assert "Traceback" not in r.stderr and "Traceback" not in r.stdout, r.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("trn-accum: error: "), r.stderr[-3000:]
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+    return lines[0]

@@ -14,35 +14,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import subprocess_env, user_error_line
 
 from trn_accum.train.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "fuji-tiny.toml")
 EXIT_PREEMPTED = 75
-
-
-_JAX_CACHE: list[str] = []
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _shared_jax_cache(tmp_path_factory):
-    """One persistent JAX compilation cache for the CLI subprocesses of a session: the same
-    tiny train step is compiled once, not once per process (results are the same executable)."""
-    _JAX_CACHE[:] = [str(tmp_path_factory.getbasetemp().parent / "trn-accum-jax-cache")]
-    yield
-
-
-def _env(devices=8, **extra):
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-    env["JAX_PLATFORMS"] = "cpu"
-    if _JAX_CACHE:
-        env["JAX_COMPILATION_CACHE_DIR"] = _JAX_CACHE[0]
-        env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-        env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
-    env.update(extra)
-    return env
 
 
 def cli(*args, env=None, timeout=300, fault=None, **kw):
@@ -52,7 +30,7 @@ def cli(*args, env=None, timeout=300, fault=None, **kw):
         cmd = [sys.executable, str(ROOT / "tests" / "fault_driver.py"), fault, "--"]
     return subprocess.run(
         [*cmd, *map(str, args)],
-        env=env or _env(),
+        env=env or subprocess_env(),
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -96,15 +74,6 @@ def _snapshot(path):
         else:
             out[str(p.relative_to(path))] = "dir"
     return out
-
-
-def _assert_user_error(r, *needles):
-    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert r.returncode == 2, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
-    assert "Traceback" not in r.stderr and "Traceback" not in r.stdout, r.stderr
-    assert len(lines) == 1 and lines[0].startswith("trn-accum: error: "), r.stderr
-    for n in needles:
-        assert n in lines[0], (n, lines[0])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -167,7 +136,7 @@ def test_external_sigterm_saves_and_exits_75(tmp_path):
     args = ["train", "--config", TINY, "--run-dir", run, "--set", "trainer.steps=100000"]
     proc = subprocess.Popen(
         [sys.executable, "-m", "trn_accum.cli", *map(str, args)],
-        env=_env(),
+        env=subprocess_env(),
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -207,7 +176,7 @@ def test_two_processes_train_then_resume_on_one(done_run, tmp_path):
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "trn_accum.cli", *map(str, args)],
-            env=_env(
+            env=subprocess_env(
                 devices=4,
                 TRN_ACCUM_PROCESS_ID=str(i),
                 TRN_ACCUM_NUM_PROCESSES="2",
@@ -385,7 +354,7 @@ def test_bad_inputs_one_line_exit_2_nothing_lost(done_run):
         for name, (args, _) in items[i : i + 2]:
             procs[name] = subprocess.Popen(
                 [sys.executable, "-m", "trn_accum.cli", *map(str, args)],
-                env=_env(),
+                env=subprocess_env(),
                 cwd=ROOT,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -397,7 +366,7 @@ def test_bad_inputs_one_line_exit_2_nothing_lost(done_run):
     for name, (_, needle) in cases.items():
         r = procs[name]
         try:
-            _assert_user_error(r, needle)
+            user_error_line(r, 2, needle)
         except AssertionError as e:
             raise AssertionError(f"case {name!r}: {e}") from None
     assert _snapshot(done_run / "run") == before
@@ -414,7 +383,7 @@ def test_corrupt_newest_checkpoint_is_one_line_and_kept(done_run, tmp_path):
         p.write_bytes(b"\x00garbage" * 3)
     before = _snapshot(run)
     r = train(run, "trainer.steps=30")
-    _assert_user_error(r, str(run / "checkpoints" / "24"))
+    user_error_line(r, 2, str(run / "checkpoints" / "24"))
     assert _snapshot(run) == before
 
 

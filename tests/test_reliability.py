@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import subprocess_env, user_error_line
 from tmpfs import resize, small_tmpfs
 
 from trn_accum.errors import EXIT_SAVE_FAILED, EXIT_USAGE
@@ -31,25 +32,6 @@ BASE = [
 ]
 
 
-@pytest.fixture(scope="module")
-def jax_cache(tmp_path_factory):
-    """One persistent compilation cache for this module's subprocesses (same executables)."""
-    return str(tmp_path_factory.getbasetemp() / "jax-cache")
-
-
-def _env(cache, devices=8):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TRN_ACCUM_"))}
-    env.pop("JOB_COMPLETION_INDEX", None)
-    env.update(
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-        JAX_PLATFORMS="cpu",
-        JAX_COMPILATION_CACHE_DIR=cache,
-        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1",
-    )
-    return env
-
-
 def _argv(run_dir, sets, allow=(), fault=None):
     cmd = [sys.executable, "-m", "trn_accum.cli"]
     if fault:
@@ -62,10 +44,10 @@ def _argv(run_dir, sets, allow=(), fault=None):
     return cmd + args
 
 
-def train(cache, run_dir, *sets, devices=8, allow=(), fault=None):
+def train(run_dir, *sets, devices=8, allow=(), fault=None):
     return subprocess.run(
         _argv(run_dir, sets, allow, fault),
-        env=_env(cache, devices),
+        env=subprocess_env(devices),
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -73,25 +55,15 @@ def train(cache, run_dir, *sets, devices=8, allow=(), fault=None):
     )
 
 
-def cli(cache, *args):
+def cli(*args):
     return subprocess.run(
         [sys.executable, "-m", "trn_accum.cli", *map(str, args)],
-        env=_env(cache),
+        env=subprocess_env(),
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=300,
     )
-
-
-def _one_error_line(r, code, *needles):
-    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
-    assert r.returncode == code, (r.returncode, r.stdout[-2000:], r.stderr[-3000:])
-    assert "Traceback" not in r.stderr and "Traceback" not in r.stdout, r.stderr[-3000:]
-    assert len(lines) == 1 and lines[0].startswith("trn-accum: error: "), r.stderr[-3000:]
-    for n in needles:
-        assert n in lines[0], (n, lines[0])
-    return lines[0]
 
 
 def _train_steps_in_file_order(run_dir):
@@ -111,10 +83,10 @@ def _snapshot(path):
 
 
 @pytest.fixture(scope="module")
-def base(jax_cache, tmp_path_factory):
+def base(tmp_path_factory):
     """The uninterrupted reference: 8 devices, k=4, float32, 8 steps, checkpoints 4 and 8."""
     run = tmp_path_factory.mktemp("base") / "run"
-    r = train(jax_cache, run, *BASE)
+    r = train(run, *BASE)
     assert r.returncode == 0, r.stderr[-3000:]
     assert _train_steps_in_file_order(run) == list(range(1, 9))
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["4", "8"]
@@ -132,13 +104,13 @@ def _copy(run, dest):
 
 
 @pytest.mark.slow
-def test_two_trainers_started_together_one_refused_other_complete(jax_cache, tmp_path):
+def test_two_trainers_started_together_one_refused_other_complete(tmp_path):
     run = tmp_path / "run"
     sets = ["trainer.steps=6", "checkpoint.every=3", "trainer.log_every=1"]
     procs = [
         subprocess.Popen(
             _argv(run, sets),
-            env=_env(jax_cache),
+            env=subprocess_env(),
             cwd=ROOT,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -153,7 +125,7 @@ def test_two_trainers_started_together_one_refused_other_complete(jax_cache, tmp
     assert sorted(r.returncode for r in done) == [0, EXIT_USAGE], [r.stderr[-2000:] for r in done]
     winner = procs[[r.returncode for r in done].index(0)]
     loser = done[[r.returncode for r in done].index(EXIT_USAGE)]
-    line = _one_error_line(loser, EXIT_USAGE, f"run dir {run} is in use by another trainer")
+    line = user_error_line(loser, EXIT_USAGE, f"run dir {run} is in use by another trainer")
     assert f"pid {winner.pid}" in line and "job none" in line and "since " in line
     assert "--run-dir" in line  # the fix
     assert _train_steps_in_file_order(run) == [1, 2, 3, 4, 5, 6]  # complete, once each
@@ -161,13 +133,13 @@ def test_two_trainers_started_together_one_refused_other_complete(jax_cache, tmp
 
 
 @pytest.mark.slow
-def test_killed_trainers_claim_is_taken_over_and_metrics_stay_unique(jax_cache, tmp_path):
+def test_killed_trainers_claim_is_taken_over_and_metrics_stay_unique(tmp_path):
     run = tmp_path / "run"
     sets = ["trainer.steps=8", "checkpoint.every=2", "trainer.log_every=1"]
-    r = train(jax_cache, run, *sets, fault="sigkill_after_step=5")
+    r = train(run, *sets, fault="sigkill_after_step=5")
     assert r.returncode == -9, r.stderr[-3000:]
     ghost = json.loads((run / "owner.json").read_text())  # SIGKILL: the claim stays behind
-    r = train(jax_cache, run, *sets)
+    r = train(run, *sets)
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"took over {run / 'owner.json'}" in r.stdout
     assert f"pid {ghost['pid']} on this host is gone" in r.stdout
@@ -181,15 +153,15 @@ def test_killed_trainers_claim_is_taken_over_and_metrics_stay_unique(jax_cache, 
 
 
 @pytest.mark.slow
-def test_config_drift_refused_then_allowed_and_recorded(jax_cache, base, tmp_path):
+def test_config_drift_refused_then_allowed_and_recorded(base, tmp_path):
     """A resume with another data seed and learning rate is refused, nothing touched; allowed,
     it runs (garbage bytes in metrics.jsonl and config.json are no obstacle), the change is
     logged, and the new values become the record."""
     run = _copy(base, tmp_path / "run")
     changed = [*BASE, "trainer.steps=10", "data.seed=1", "optimizer.peak_lr=0.001"]
     before = _snapshot(run)
-    r = train(jax_cache, run, *changed)
-    _one_error_line(
+    r = train(run, *changed)
+    user_error_line(
         r,
         EXIT_USAGE,
         f"resuming run dir {run} at step 8 would change its trajectory",
@@ -202,7 +174,7 @@ def test_config_drift_refused_then_allowed_and_recorded(jax_cache, base, tmp_pat
     with open(run / "metrics.jsonl", "ab") as f:
         f.write(b'{"step": 9, "kind": "tr\xff\xfe\x00 torn write\n\x80\x81garbage\n')
     (run / "config.json").write_bytes(b"\x00\xffnot json")
-    r = train(jax_cache, run, *changed, allow=["data.seed", "optimizer"])
+    r = train(run, *changed, allow=["data.seed", "optimizer"])
     assert r.returncode == 0, r.stderr[-3000:]
     assert "config changed from step 8 on (allowed): data.seed 0 -> 1" in r.stdout
     rows = [json.loads(x) for x in (run / "config_changes.jsonl").read_text().splitlines()]
@@ -213,20 +185,20 @@ def test_config_drift_refused_then_allowed_and_recorded(jax_cache, base, tmp_pat
     }
     assert json.loads((run / "config.json").read_text())["data"]["seed"] == 1
     assert _train_steps_in_file_order(run) == list(range(1, 11))
-    r = train(jax_cache, run, *changed)  # the new values are the record now
+    r = train(run, *changed)  # the new values are the record now
     assert r.returncode == 0 and "already at step 10" in r.stdout, r.stderr[-3000:]
-    r = train(jax_cache, run, *BASE, "trainer.steps=10")  # and the old ones drift from it
-    _one_error_line(r, EXIT_USAGE, "data.seed 1 -> 0")
-    assert cli(jax_cache, "plot", run).returncode == 0
+    r = train(run, *BASE, "trainer.steps=10")  # and the old ones drift from it
+    user_error_line(r, EXIT_USAGE, "data.seed 1 -> 0")
+    assert cli("plot", run).returncode == 0
 
 
 @pytest.mark.slow
-def test_elastic_resume_half_the_devices_twice_the_accumulation(jax_cache, base, tmp_path):
+def test_elastic_resume_half_the_devices_twice_the_accumulation(base, tmp_path):
     """Saved on 8 devices with k=4; resumed on 4 with k=8 (same global batch, same rows per
     minibatch and device): steps 5..8 match the uninterrupted run (float32, rel 1e-5)."""
     run = _copy(base, tmp_path / "run")
     shutil.rmtree(run / "checkpoints" / "8")
-    r = train(jax_cache, run, *BASE, "trainer.accum_steps=8", devices=4)
+    r = train(run, *BASE, "trainer.accum_steps=8", devices=4)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "(step 4)" in r.stdout and "on 4 cpu devices" in r.stdout
     assert "mesh {'data': 2, 'fsdp': 2, 'model': 1}" in r.stdout and "in 8 minibatches" in r.stdout
@@ -243,7 +215,7 @@ def test_elastic_resume_half_the_devices_twice_the_accumulation(jax_cache, base,
 
 
 @pytest.mark.slow
-def test_disk_full_on_a_small_tmpfs(jax_cache, tmp_path):
+def test_disk_full_on_a_small_tmpfs(tmp_path):
     """A filesystem with room for one checkpoint of the tiny state (1.6 MB): the save of step 4
     fails in the background; the trainer stops at the next step boundary (before the next
     save) with one line naming the path and the cause, exit 74; checkpoint 2 is intact and no
@@ -251,9 +223,9 @@ def test_disk_full_on_a_small_tmpfs(jax_cache, tmp_path):
     sets = ["trainer.steps=8", "checkpoint.every=2", "checkpoint.keep=1", "trainer.log_every=1"]
     with small_tmpfs(tmp_path / "mnt", 2_500_000) as mnt:
         run = mnt / "run"
-        r = train(jax_cache, run, *sets)
+        r = train(run, *sets)
         ck = run / "checkpoints"
-        _one_error_line(
+        user_error_line(
             r,
             EXIT_SAVE_FAILED,
             f"checkpoint {ck / '4'} could not be written (No space left on device)",
@@ -263,7 +235,7 @@ def test_disk_full_on_a_small_tmpfs(jax_cache, tmp_path):
         logged = _train_steps_in_file_order(run)
         assert logged[:4] == [1, 2, 3, 4] and max(logged) < 6, logged  # stopped before step 6
         resize(mnt, 20_000_000)
-        r = train(jax_cache, run, *sets)
+        r = train(run, *sets)
         assert r.returncode == 0, r.stderr[-3000:]
         assert f"resumed from {ck / '2'} (step 2)" in r.stdout
         assert "uncommitted" not in r.stderr and "Traceback" not in r.stderr
@@ -271,35 +243,35 @@ def test_disk_full_on_a_small_tmpfs(jax_cache, tmp_path):
 
 
 @pytest.mark.slow
-def test_metrics_file_replaced_by_a_directory_is_one_line(jax_cache, base, tmp_path):
+def test_metrics_file_replaced_by_a_directory_is_one_line(base, tmp_path):
     run = _copy(base, tmp_path / "run")
     os.remove(run / "metrics.jsonl")
     (run / "metrics.jsonl").mkdir()
-    r = train(jax_cache, run, *BASE, "trainer.steps=10")
-    _one_error_line(r, EXIT_USAGE, f"{run / 'metrics.jsonl'} is a directory")
+    r = train(run, *BASE, "trainer.steps=10")
+    user_error_line(r, EXIT_USAGE, f"{run / 'metrics.jsonl'} is a directory")
     assert not (run / "owner.json").exists()
-    _one_error_line(cli(jax_cache, "plot", run), EXIT_USAGE, "is a directory")
+    user_error_line(cli("plot", run), EXIT_USAGE, "is a directory")
 
 
-def test_binary_config_and_prepare_data_of_a_directory(jax_cache, tmp_path):
+def test_binary_config_and_prepare_data_of_a_directory(tmp_path):
     binary = tmp_path / "c.toml"
     binary.write_bytes(bytes(range(128, 256)) * 4)
-    _one_error_line(cli(jax_cache, "train", "--config", binary), EXIT_USAGE, "not UTF-8")
+    user_error_line(cli("train", "--config", binary), EXIT_USAGE, "not UTF-8")
     docs = tmp_path / "docs"
     docs.mkdir()
     (docs / "a.txt").write_text("hello")
-    r = cli(jax_cache, "prepare-data", docs, "--out", tmp_path / "tok")
-    _one_error_line(r, EXIT_USAGE, f"text file {docs} is a directory")
+    r = cli("prepare-data", docs, "--out", tmp_path / "tok")
+    user_error_line(r, EXIT_USAGE, f"text file {docs} is a directory")
 
 
 @pytest.mark.slow
-def test_every_step_non_finite_stops_in_one_line(jax_cache, tmp_path):
+def test_every_step_non_finite_stops_in_one_line(tmp_path):
     """init_std 1e30 overflows every forward pass: all 4 steps are skipped; the run is
     shorter than trainer.stop_after_nonfinite (100), so all of them count: it stops at step
     4 with the step, the count and what to check, instead of reporting success."""
     run = tmp_path / "run"
-    r = train(jax_cache, run, "trainer.steps=4", "model.init_std=1e30", "trainer.log_every=1")
-    _one_error_line(
+    r = train(run, "trainer.steps=4", "model.init_std=1e30", "trainer.log_every=1")
+    user_error_line(
         r,
         EXIT_USAGE,
         "step 4: the last 4 steps (1..4) were all skipped as non-finite",

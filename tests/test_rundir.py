@@ -45,8 +45,10 @@ def _foreign(tmp_path, *, heartbeat_age=0.0, job=None, host="other-host"):
         "heartbeat": now - heartbeat_age,
     }
     path = tmp_path / rundir.CLAIM_FILE
-    path.write_text(json.dumps(claim))
-    return path
+    tmp = tmp_path / f".{rundir.CLAIM_FILE}.test-tmp"
+    tmp.write_text(json.dumps(claim))
+    os.replace(tmp, path)  # atomically, as a trainer refreshes its claim (a reader never sees
+    return path  # a half-written file; the garbage-claim cases are tested on their own)
 
 
 def test_claim_created_refreshed_and_released(tmp_path):

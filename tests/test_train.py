@@ -46,7 +46,10 @@ def test_accum_1_vs_4_same_loss_curve_nonfinite_skip_compiled_step():
     flat1 = jax.tree.leaves(jax.device_get(state1["params"]))
     flat4 = jax.tree.leaves(jax.device_get(state4["params"]))
     for a, b in zip(flat1, flat4, strict=True):
-        np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6)
+        # atol: Adam normalises each update (lr * m / (sqrt(v) + eps)); where a gradient entry is
+        # ~eps (a rare token's embedding row) the summation order of k=1 vs k=4 moves that update
+        # by a few % of the step's lr (3e-4 at step 1 of the 1-based warmup): 2e-5 is 7% of it.
+        np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5)
     _check_nonfinite_step_is_skipped_and_counted(tiny_k4)
     _check_compiled_step_no_conditional_donated_and_sharded(tiny_k4)
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -68,6 +69,44 @@ class _DropOrbaxErrors(logging.Filter):
 
 
 _ORBAX_FILTER = _DropOrbaxErrors()
+
+
+def _is_closed_loop_error(exc: BaseException, tb) -> bool:
+    """RuntimeError('Event loop is closed') raised in asyncio's `call_soon_threadsafe`: the
+    I/O threads of a failed background save finishing after orbax closed its event loop."""
+    if not (isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"):
+        return False
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and tb.tb_frame.f_code.co_name == "_check_closed"
+
+
+class _DropUnretrievedFutures(logging.Filter):
+    """asyncio's 'Future exception was never retrieved' records: the other writes of a save
+    that already failed, which nobody awaits any more."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        first = str(record.msg).split("\n", 1)[0]  # "<Future class> exception was never ..."
+        return not first.endswith("exception was never retrieved")
+
+
+def _drop_closed_loop_errors() -> None:
+    """For the process's lifetime (installed once), drop what the pending writes of a failed
+    save print after orbax has given up on them: late
+    'Event loop is closed' errors (through sys.unraisablehook, from the I/O library's threads)
+    and asyncio's unretrieved-future errors. The CheckpointError has said what happened;
+    anything else prints as before."""
+    previous = sys.unraisablehook
+    if getattr(previous, "_trn_accum_drops_closed_loop", False):
+        return
+    logging.getLogger("asyncio").addFilter(_DropUnretrievedFutures())
+
+    def hook(unraisable):
+        if not _is_closed_loop_error(unraisable.exc_value, unraisable.exc_traceback):
+            previous(unraisable)
+
+    hook._trn_accum_drops_closed_loop = True
+    sys.unraisablehook = hook
 
 
 def _cause(e: BaseException) -> str:
@@ -164,6 +203,7 @@ class Checkpointer:
         self._warned: set[str] = set()
         self._pending: int | None = None  # the step of the newest save started
         logging.getLogger("absl").addFilter(_ORBAX_FILTER)
+        _drop_closed_loop_errors()
 
     # ------------------------------------------------------------------ listing
 
