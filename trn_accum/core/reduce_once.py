@@ -43,8 +43,10 @@ def check_weight_fn(weight_fn: Callable | None) -> None:
 
 def manual_axes_for(mesh: Mesh | None, batch_specs: list[P], grad_shardings: list | None):
     """The pure data-parallel axes: the leading mesh axes of the batch dimension's sharding
-    (the same for every batch leaf) up to the first one a parameter spec uses. () without a
-    mesh (then "once" is "per_minibatch")."""
+    (the same for every batch leaf) up to the first one a parameter spec uses, skipping axes
+    of size 1 (nothing to reduce over; XLA's partitioner rejects a cross-partition all-reduce
+    manual over a size-1 axis with automatic axes beside it: jax 0.10, one trn2 node's mesh
+    data 1 x fsdp 16 x model 4). () without a mesh (then "once" is "per_minibatch")."""
     if mesh is None:
         return ()
     entries = {tuple(shd.spec_axes(s[0])) if len(s) else () for s in batch_specs}
@@ -63,7 +65,8 @@ def manual_axes_for(mesh: Mesh | None, batch_specs: list[P], grad_shardings: lis
     for axis in next(iter(entries)):
         if axis in used:
             break
-        manual.append(axis)
+        if mesh.shape[axis] > 1:
+            manual.append(axis)
     return tuple(manual)
 
 
