@@ -50,15 +50,11 @@ def candidate_grid(
     reduces: Sequence[str] = REDUCES,
     k_limit: int = 3,
 ) -> list[Candidate]:
-    """Candidates for every (mesh, nodes) -> the ks that fit (ascending), the `k_limit`
-    smallest of them, both reduce modes (k = 1 once only: one minibatch reduces once anyway)."""
+    """Candidates for every (mesh, nodes) -> the ks that fit (ascending): the `k_limit`
+    smallest of them, each reduce mode."""
     out = []
     for (mesh, nodes), ks in sorted(fitting_k.items()):
-        for k in sorted(ks)[:k_limit]:
-            for r in reduces:
-                if k == 1 and r != reduces[0]:
-                    continue
-                out.append(Candidate(mesh, nodes, k, r))
+        out += [Candidate(mesh, nodes, k, r) for k in sorted(ks)[:k_limit] for r in reduces]
     return out
 
 
@@ -113,7 +109,7 @@ def recommend(rows: Sequence[Mapping[str, Any]], nodes: int) -> dict[str, Any] |
 def format_rows(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     """One line per candidate: fit, bytes per link, compute, comm, step bounds, tokens/s, MFU."""
     head = (
-        f"  {'candidate':<30} {'fits':>4} {'chip':>10} {'node':>10} {'efa':>10} {'compute':>8} "
+        f"  {'candidate':<33} {'fits':>4} {'chip':>10} {'node':>10} {'efa':>10} {'compute':>8} "
         f"{'comm':>8} {'step s':>15} {'tokens/s':>19} {'MFU':>13}"
     )
     lines = [head]
@@ -122,7 +118,7 @@ def format_rows(rows: Sequence[Mapping[str, Any]]) -> list[str]:
         cells = [format_bytes(_link_bytes(r, lk)) for lk in platform.LINK_CLASSES]
         lo, hi = s["step_s_full_overlap"], s["step_s_no_overlap"]
         lines.append(
-            f"  {r['candidate'].label():<30} {'yes' if r['fits'] else 'no':>4} "
+            f"  {r['candidate'].label():<33} {'yes' if r['fits'] else 'no':>4} "
             f"{cells[0]:>10} {cells[1]:>10} {cells[2]:>10} {s['compute_s']:>8.3f} "
             f"{s['comm_s']:>8.3f} {lo:>7.3f}-{hi:<7.3f} "
             f"{s['tokens_per_s'][0]:>9.3g}-{s['tokens_per_s'][1]:<9.3g} "

@@ -51,7 +51,7 @@ from trn_accum.errors import UserError, one_line
 from trn_accum.model import fuji
 from trn_accum.neuron import platform, preflight
 from trn_accum.neuron.platform import DEVICE_BUDGET_GIB
-from trn_accum.train import autok, step
+from trn_accum.train import autok, perfmodel, step
 from trn_accum.train.config import load_config
 
 
@@ -95,8 +95,10 @@ def run(
     overrides: Sequence[str] = (),
     devices: int | None = None,
     nodes: int | None = None,
+    step_time: bool = False,
 ) -> dict[str, Any]:
-    """Lower and compile the train step; returns the report (see the module docstring)."""
+    """Lower and compile the train step; returns the report (see the module docstring).
+    `step_time`: add the trn2 step-time model (`trn_accum.train.perfmodel`, own process)."""
     t_start = time.perf_counter()
     cfg = load_config(config_path, overrides)
     notes: list[str] = []
@@ -187,7 +189,7 @@ def run(
     if sum(split_counts.values()):
         blockers.append(f"blocker: split: split_minibatches compiled to collectives {split_counts}")
 
-    return {
+    report = {
         "config": config_path,
         "overrides": list(overrides),
         "notes": notes,
@@ -261,6 +263,9 @@ def run(
             "total": round(time.perf_counter() - t_start, 2),
         },
     }
+    if step_time:
+        report["step_time"] = perfmodel.run_in_subprocess(config_path, overrides, nodes)
+    return report
 
 
 def _gib(x: float | None) -> str:
@@ -340,4 +345,6 @@ def format_report(r: Mapping[str, Any], *, as_json: bool = False) -> str:
     lines += [f"  - {x}" for x in r["blockers"] + r["warnings"]]
     t = r["timings_s"]
     lines.append(f"lower {t['lower']} s, compile {t['compile']} s, total {t['total']} s")
+    if r.get("step_time"):
+        lines += perfmodel.format_lines(r["step_time"])
     return "\n".join(lines)

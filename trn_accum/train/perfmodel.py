@@ -150,8 +150,16 @@ def explore(cfg, *, nodes: int, layout: steptime.Layout, devices=None,
             for n in node_counts}  # fmt: skip
     fit_ks = {key: [r["k"] for r in f["table"] if r["bytes"] <= cfg.trainer.memory_budget_gib
                     * GIB] for key, f in fits.items()}  # fmt: skip
-    rows = []
+    rows, seen = [], set()
     for cand in rec.candidate_grid(fit_ks, k_limit=k_limit):
+        target = resolve_axes(meshes[cand.mesh], layout.devices_per_node * cand.nodes)
+        # once = per_minibatch without a data axis to reduce over (core/reduce_once.py); at one
+        # node the meshes may coincide: each program once
+        effective = cand.reduce if target["data"] > 1 else "per_minibatch"
+        same = (tuple(target.items()), cand.k, effective)
+        if same in seen:
+            continue
+        seen.add(same)
         c = _with(cfg, mesh=meshes[cand.mesh], k=cand.k, reduce=cand.reduce)
         summary = predict(c, nodes=cand.nodes, **kw)
         rows.append({"candidate": cand, "fits": True, "summary": summary})
@@ -197,6 +205,49 @@ def run_in_subprocess(config_path: str, overrides: Sequence[str], nodes: int) ->
     if out.returncode:
         raise RuntimeError(f"step-time model failed ({out.returncode}): {out.stderr[-2000:]}")
     return json.loads(out.stdout)
+
+
+def format_lines(st: dict[str, Any]) -> list[str]:
+    """The step-time part of the dry-run report (`explore`'s output, as JSON-decoded)."""
+    from trn_accum.analysis.autotune import format_bytes
+
+    c, s = st["config"], st["config"]["summary"]
+    depths = s["depths_compiled"]
+    how = f"compiled at {depths[0]} and {depths[1]} layers, extrapolated" if len(depths) == 2 else (
+        f"compiled at {depths[0]} layers")  # fmt: skip
+    lines = [
+        f"step-time model on trn2 (collectives of the compiled step, {how}; "
+        f"{min(c['nodes'], EMULATE_NODES)} emulated nodes priced as {c['nodes']}, full mesh "
+        f"{s['target_mesh']}; ring algorithms, links in trn_accum/neuron/platform.py):",
+        f"  config: mesh {c['mesh']}, k={c['k']}, reduce {c['reduce']}",
+        f"  {'link':<6} {'bytes/device/step':>18} {'time s':>9} {'ops':>4}",
+    ]
+    for link, row in s["by_link"].items():
+        lines.append(
+            f"  {link:<6} {format_bytes(row['wire_bytes']):>18} {row['time_s']:>9.3f} "
+            f"{int(row['count']):>4}"
+        )
+    for axes, row in s["by_axes"].items():
+        lines.append(
+            f"  over {axes}: {format_bytes(row['wire_bytes'])} per step, "
+            f"{format_bytes(row['loop_wire_bytes_per_minibatch'])} per minibatch in the loop"
+        )
+    lines += [
+        f"  compute at peak {s['compute_s']:.3f} s, communication {s['comm_s']:.3f} s; step "
+        f"{s['step_s_full_overlap']:.3f} s (full overlap) to {s['step_s_no_overlap']:.3f} s (none)"
+        f"; tokens/s {s['tokens_per_s'][0]:.4g}-{s['tokens_per_s'][1]:.4g}; MFU "
+        f"{s['mfu'][0]:.1%}-{s['mfu'][1]:.1%}",
+        "  candidates (k that fit the budget, analytic: "
+        + "; ".join(f"{key}: {ks}" for key, ks in st["fit_k"].items())
+        + "); bytes per device per step:",
+        *st["table"],
+    ]
+    best = st.get("recommendation")
+    if best:
+        lines.append(f"  recommended at {c['nodes']} node(s): {best['label']}")
+        lines += [f"    - {r}" for r in best["reasons"]]
+    lines.append(f"  step-time model wall time {st['wall_s']} s")
+    return lines
 
 
 def main(argv=None) -> int:
