@@ -179,3 +179,25 @@ def test_tiny_train_step_once_reduces_over_nodes_once():
     assert once["by_axes"]["data"]["loop_wire_bytes_per_minibatch"] == 0.0
     assert per_mb["by_axes"]["data"]["loop_wire_bytes_per_minibatch"] > 0
     assert per_mb["by_link"]["efa"]["wire_bytes"] > 3 * once["by_link"]["efa"]["wire_bytes"]
+
+
+def test_explore_tiny_candidates_and_recommendation():
+    """The candidate sweep end to end on the tiny Fuji (2 "nodes" of 4 devices): every
+    candidate fits, the recommendation is one of them at the config's node count, and the
+    dry-run lines name it."""
+    from trn_accum.train import perfmodel
+    from trn_accum.train.config import load_config
+
+    cfg = load_config("configs/fuji-tiny.toml", ["trainer.accum_steps=2"])
+    meshes = {
+        "hybrid": {"data": -1, "fsdp": 2, "model": 1},
+        "reference": {"data": 1, "fsdp": -1, "model": 1},
+    }
+    layout = steptime.Layout(devices_per_node=4, devices_per_chip=2)
+    st = perfmodel.explore(cfg, nodes=2, layout=layout, meshes=meshes, k_limit=2)
+    labels = [rec.Candidate(**c["candidate"]).label() for c in st["candidates"]]
+    assert "hybrid x2 k=1 once" in labels and "reference x2 k=1 once" not in labels  # data 1
+    assert st["recommendation"]["label"] in labels
+    assert st["recommendation"]["candidate"]["nodes"] == 2
+    lines = perfmodel.format_lines(st)
+    assert any(line.startswith("  recommended at 2 node(s): ") for line in lines)

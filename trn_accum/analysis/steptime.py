@@ -292,7 +292,8 @@ def extrapolate_summary(by_depth: Mapping[int, Mapping[str, Any]], layers: int) 
     if len(by_depth) != 2:
         raise ValueError(f"extrapolate_summary needs two depths, got {sorted(by_depth)}")
     deep = by_depth[max(by_depth)]
-    by_link = _extrapolate_rows({d: s["by_link"] for d, s in by_depth.items()}, layers)
+    rows = _extrapolate_rows({d: s["by_link"] for d, s in by_depth.items()}, layers)
+    by_link = {lk: rows[lk] for lk in platform.LINK_CLASSES if lk in rows}
     out = {
         "by_link": by_link,
         "by_axes": _extrapolate_rows({d: s["by_axes"] for d, s in by_depth.items()}, layers),
