@@ -181,13 +181,20 @@ def test_tiny_train_step_once_reduces_over_nodes_once():
     assert per_mb["by_link"]["efa"]["wire_bytes"] > 3 * once["by_link"]["efa"]["wire_bytes"]
 
 
-def test_explore_tiny_candidates_and_recommendation():
-    """The candidate sweep end to end on the tiny Fuji (2 "nodes" of 4 devices): every
-    candidate fits, the recommendation is one of them at the config's node count, and the
-    dry-run lines name it."""
+def test_explore_tiny_candidates_and_recommendation(monkeypatch):
+    """The candidate sweep on the tiny Fuji (2 "nodes" of 4 devices), the compiles replaced by
+    a fake summary (fewer EFA bytes with reduce once, more with k): every fitting k up to
+    k_limit, "once" dropped where there is no data axis, the recommendation at the config's
+    node count, and the dry-run lines naming it."""
     from trn_accum.train import perfmodel
     from trn_accum.train.config import load_config
 
+    def fake(cfg, *, nodes, layout, **_):
+        k, once = cfg.trainer.accum_steps, cfg.trainer.reduce == "once"
+        s = _summary(0.0 if once else 100.0 * k, 10.0 * k, 0.1 if once else 0.2 * k)
+        return {**s, "depths_compiled": [2], "compile_s": 0.0, "target_mesh": {}}
+
+    monkeypatch.setattr(perfmodel, "predict", fake)
     cfg = load_config("configs/fuji-tiny.toml", ["trainer.accum_steps=2"])
     meshes = {
         "hybrid": {"data": -1, "fsdp": 2, "model": 1},
@@ -196,8 +203,21 @@ def test_explore_tiny_candidates_and_recommendation():
     layout = steptime.Layout(devices_per_node=4, devices_per_chip=2)
     st = perfmodel.explore(cfg, nodes=2, layout=layout, meshes=meshes, k_limit=2)
     labels = [rec.Candidate(**c["candidate"]).label() for c in st["candidates"]]
-    assert "hybrid x2 k=1 once" in labels and "reference x2 k=1 once" not in labels  # data 1
-    assert st["recommendation"]["label"] in labels
-    assert st["recommendation"]["candidate"]["nodes"] == 2
+    assert st["fit_k"]["hybrid x2"] == [1, 2, 4]
+    assert labels == [
+        "hybrid x1 k=1 per_minibatch",
+        "hybrid x1 k=1 once",
+        "hybrid x1 k=2 per_minibatch",
+        "hybrid x1 k=2 once",
+        "hybrid x2 k=1 per_minibatch",
+        "hybrid x2 k=1 once",
+        "hybrid x2 k=2 per_minibatch",
+        "hybrid x2 k=2 once",
+        "reference x1 k=1 per_minibatch",
+        "reference x1 k=2 per_minibatch",
+        "reference x2 k=1 per_minibatch",
+        "reference x2 k=2 per_minibatch",
+    ]
+    assert st["recommendation"]["label"] == "hybrid x2 k=1 once"
     lines = perfmodel.format_lines(st)
-    assert any(line.startswith("  recommended at 2 node(s): ") for line in lines)
+    assert "  recommended at 2 node(s): hybrid x2 k=1 once" in lines
