@@ -12,7 +12,9 @@ non-finite guard, donated state, explicit shardings), at a fixed global batch:
   inside and outside the accumulation loop and the bytes they move per optimizer step (result
   bytes x loop trip counts, from the compiled HLO's shapes and replica groups);
 - per-device temporary memory (`memory_analysis`), compile time (lower + compile), step time
-  (median of >= 5 runs after a warm-up run; ratio to k=1) and tokens/s.
+  (median of >= 5 runs after a warm-up run; ratio to k=1) and tokens/s;
+- the peers table (benchmarks/peers.py): full batch, ours (both reduce modes), a contiguous
+  in-graph scan and optax.MultiSteps on one model, batch and mesh, timed round-robin.
 
 Writes benchmarks/report.json and replaces the text between `<!-- bench:start -->` and
 `<!-- bench:end -->` in README.md (nothing else; if the markers are missing the README is left
@@ -329,6 +331,7 @@ def main(argv=None) -> int:
     ap.add_argument("--mid-seq", type=int, default=64)
     ap.add_argument("--mid-batch", type=int, default=64)
     ap.add_argument("--only", choices=("tiny", "mid"), help="one config only")
+    ap.add_argument("--no-peers", action="store_true", help="skip the peers table (peers.py)")
     ap.add_argument("--json", default=str(ROOT / "benchmarks" / "report.json"))
     ap.add_argument("--readme", default=str(ROOT / "README.md"), help="'' to skip")
     args = ap.parse_args(argv)
@@ -375,8 +378,16 @@ def main(argv=None) -> int:
         },
         "configs": configs,
     }
+    if not args.no_peers:
+        import peers  # benchmarks/peers.py, beside this script
+
+        report["peers"] = peers.run(ROOT, log=log)
     Path(args.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     text = markdown(report)
+    if "peers" in report:
+        import peers
+
+        text += "\n" + peers.markdown(report["peers"])
     print(text)
     if args.readme:
         if update_readme(Path(args.readme), text):

@@ -131,3 +131,32 @@ def test_bad_chunk():
     hidden, embedding, labels, _ = _inputs()
     with pytest.raises(ValueError, match="chunk=0"):
         cross_entropy(hidden, embedding, labels, chunk=0)
+
+
+@pytest.mark.parametrize("groups", [1, 4])
+def test_grouped_embedding_gradient_reduced_after_the_loop(groups):
+    """groups = the batch shards (4 = data x fsdp): equal to the reference, and inside the chunk
+    loop no collective as large as the embedding gradient shard ([32, 16] float32, 2 KiB); with
+    one group XLA reduces it there on every chunk."""
+    from trn_accum.analysis.collectives import collectives
+    from trn_accum.model.fuji import batch_groups, shard_activation
+
+    mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "model"), (jax.sharding.AxisType.Auto,) * 3)
+    hidden, embedding, labels, weights = _inputs(b=4, s=16, v=64, seed=3)
+    want = _loss_and_grads(_reference_loss, hidden, embedding, labels, weights)
+    batch = NamedSharding(mesh, P(("data", "fsdp")))
+    hidden, labels, weights = (jax.device_put(x, batch) for x in (hidden, labels, weights))
+    embedding = jax.device_put(embedding, NamedSharding(mesh, P("model")))
+
+    def total(h, e):
+        per_token = cross_entropy(h, e, labels, chunk=16, groups=groups, shard=shard_activation)
+        return jnp.sum(per_token * weights), per_token
+
+    fn = jax.jit(jax.value_and_grad(total, argnums=(0, 1), has_aux=True))
+    with jax.set_mesh(mesh):
+        assert batch_groups(16) == 4
+        hlo = fn.lower(hidden, embedding).compile().as_text()
+        (_, per_token), grads = fn(hidden, embedding)
+    _assert_close((per_token, grads), want)
+    in_loop = [c.bytes for c in collectives(hlo) if c.in_loop]
+    assert (max(in_loop) >= 32 * 16 * 4) == (groups == 1), in_loop

@@ -2,7 +2,7 @@
 
     trn-accum train --config FILE [--set section.key=value ...] [--run-dir DIR]
                     [--profile START:STOP] [--allow-config-change KEY ...]
-    trn-accum dry-run --config FILE [--set ...] [--devices 64] [--nodes N] [--json]
+    trn-accum dry-run --config FILE [--set ...] [--devices 64] [--nodes N] [--json] [--step-time]
     trn-accum neuron-check [--config FILE] [--run-dir DIR] [--json]   first thing on trn2
     trn-accum neuron-env                 the trn2 environment as shell `export` lines
     trn-accum prepare-data TEXT_FILES... --out DIR [--tokenizer bytes|tokenizer.json]
@@ -128,7 +128,11 @@ def _cmd_dry_run(args) -> int:
     from trn_accum.train import dryrun
 
     report = dryrun.run(
-        args.config, overrides=args.overrides, devices=args.devices, nodes=args.nodes
+        args.config,
+        overrides=args.overrides,
+        devices=args.devices,
+        nodes=args.nodes,
+        step_time=args.step_time,
     )
     print(dryrun.format_report(report, as_json=args.json))
     return EXIT_FAILED if report.get("blockers") else EXIT_OK
@@ -252,6 +256,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--nodes", type=int, default=None, help="node count whose per-device batch to emulate"
     )
     d.add_argument("--json", action="store_true", help="print the report as JSON")
+    d.add_argument(
+        "--step-time",
+        action="store_true",
+        help="add the trn2 step-time model: bytes by link, step time / MFU bounds for the "
+        "config and candidates, a recommendation (compiles more: minutes)",
+    )
     d.set_defaults(func=_cmd_dry_run)
 
     nc = sub.add_parser(

@@ -308,6 +308,20 @@ def shard_activation(x, dims: tuple[str | None, ...]):
     return constrain(x, mesh, P(*entries))
 
 
+def batch_groups(size: int) -> int:
+    """Shards of a "batch" dimension of `size` under the current mesh (1 without one): the
+    product of the axes `shard_activation` would use for it."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return 1
+    auto = {a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t == AxisType.Auto}
+    n = 1
+    for a in _ACTIVATION_AXES["batch"]:
+        if a in auto and size % (n * mesh.shape[a]) == 0:
+            n *= mesh.shape[a]
+    return n
+
+
 # ---------------------------------------------------------------------------------------------
 # Building blocks
 
@@ -434,7 +448,15 @@ def loss_fn(params, batch, cfg: ModelConfig):
     weight = mask.astype(jnp.float32)
     labels = jnp.where(on, batch["target_labels"], 0)
     hidden = hidden_states(params, batch["input_ids"], cfg)
-    per_token = cross_entropy(hidden, params["embed"], labels, chunk=cfg.loss_chunk or None)
+    chunk = min(cfg.loss_chunk, labels.size) if cfg.loss_chunk else None
+    per_token = cross_entropy(
+        hidden,
+        params["embed"],
+        labels,
+        chunk=chunk,
+        groups=batch_groups(chunk) if chunk else 1,
+        shard=shard_activation,
+    )
     per_token = jnp.where(on, per_token * weight, 0.0)
     row_sum, row_weight = per_token.sum(axis=-1), weight.sum(axis=-1)
     total, count = row_sum.sum(), row_weight.sum()

@@ -50,12 +50,30 @@ def _token_loss(hidden, embedding, labels):
     return _loss_from_logits(logits, labels)
 
 
-def cross_entropy(hidden, embedding, labels, *, chunk: int | None = None):
+def _group_token_loss(hidden, embedding, labels):
+    """hidden [G, T, D], embedding [G, V, D] (one copy per token group), labels [G, T] ->
+    float32 [G, T]. Group g's logits use copy g only, so the gradient of copy g is group g's
+    own sum over its tokens: no reduction across groups until the copies are summed."""
+    logits = jnp.einsum(
+        "gtd,gvd->gtv", hidden, embedding.astype(hidden.dtype), preferred_element_type=jnp.float32
+    )
+    return _loss_from_logits(logits, labels)
+
+
+def cross_entropy(hidden, embedding, labels, *, chunk: int | None = None, groups: int = 1,
+                  shard=None):  # fmt: skip
     """Per-token next-token cross-entropy, float32 [B, S]. `chunk`: tokens per chunk (None: all).
 
     Any `chunk` >= 1 works: the B*S tokens are padded to a multiple of it (the last chunk is
     partial) and the padding is dropped from the result. Exact: the same per-token arithmetic as
     the unchunked loss.
+
+    `groups` (G, dividing the chunk; with `shard(x, dims)` a sharding constraint by logical
+    dims): each chunk's tokens are split into G groups, the batch shards, each with its own
+    copy of the embedding (`broadcast_to` [G, V, D] float32, sharded over "batch"), so the LM
+    head's embedding gradient accumulates over the chunk loop as G per-shard partial sums and
+    is summed once, after the loop (the transpose of the broadcast), instead of being reduced
+    over the batch axes on every chunk (what XLA does for a replicated [V, D] cotangent).
     """
     if chunk is None:
         return _loss_from_logits(lm_logits(hidden, embedding), labels)
@@ -72,10 +90,19 @@ def cross_entropy(hidden, embedding, labels, *, chunk: int | None = None):
     h = h.reshape(chunk, n, d).swapaxes(0, 1)  # [n, chunk, D]
     y = y.reshape(chunk, n).swapaxes(0, 1)  # [n, chunk]
     chunk_loss = jax.checkpoint(_token_loss, prevent_cse=False)
+    if groups > 1 and chunk % groups == 0:
+        shard = shard or (lambda x, dims: x)
+        h = shard(h.reshape(n, groups, chunk // groups, d), (None, "batch", None, None))
+        y = y.reshape(n, groups, chunk // groups)
+        embedding = shard(
+            jnp.broadcast_to(embedding[None], (groups, *embedding.shape)), ("batch", "vocab", None)
+        )
+        chunk_loss = jax.checkpoint(_group_token_loss, prevent_cse=False)
 
     def body(carry, xs):
         hc, yc = xs
         return carry, chunk_loss(hc, embedding, yc)
 
-    _, losses = lax.scan(body, None, (h, y))  # [n, chunk]
+    _, losses = lax.scan(body, None, (h, y))  # [n, chunk] or [n, G, chunk / G]
+    losses = losses.reshape(n, chunk)
     return losses.swapaxes(0, 1).reshape(n * chunk)[:tokens].reshape(b, s)

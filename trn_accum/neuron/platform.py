@@ -327,3 +327,49 @@ def peak_flops_per_device(platform: str | None = None, lnc: int | None = None) -
     if lnc is None:
         lnc = os.environ.get("NEURON_LOGICAL_NC_CONFIG") or DEFAULT_LNC
     return device_peak_flops(lnc)
+
+
+# ---------------------------------------------------------------------- trn2 links
+#
+# The three link classes a collective on trn2 can cross, slowest last, with the bandwidth one
+# JAX device gets in one direction when every device of the chip / node communicates at once
+# (what the rings of a sharded training step do) and a per-hop latency. Sources (AWS):
+# - Trainium2 architecture (about-neuron/arch/neuron-hardware/trainium2): 2.9 TB/s of HBM per
+#   chip (the trn2 instance table: 46.4 TB/s for 16 chips), 3.5 TB/s of DMA per chip; the
+#   logical cores of one chip exchange data through that memory. Counted as HBM bandwidth, one
+#   read and one write per byte moved, shared by the chip's 8 / LNC devices.
+# - Amazon EC2 Trn2 architecture (about-neuron/arch/neuron-hardware/trn2-arch): 16 chips in a
+#   4x4 2D torus, "Intra-instance NeuronLink-v3 bandwidth" 1,024 GB/s per chip; counted as
+#   both directions together, shared by the chip's devices.
+# - The same table: "EFAv3 bandwidth" 3,200 Gbps per trn2.48xlarge (400 GB/s), counted per
+#   direction, shared by the node's 64 devices (128 / LNC).
+# - Training best practices (training/best-practices): keep tensor parallelism (TP4) within a
+#   chip, FSDP over NeuronLink between chips, EFA between instances: the three classes here.
+# Latencies: AWS publishes none per hop; the inter-node collectives page
+# (neuron-runtime/explore/internode-collective-comm) only gives the step counts (ring O(N)).
+# The values below are assumptions of the order of on-chip DMA, chip-to-chip links and RDMA
+# over a network; they matter only for small messages.
+
+LINK_CHIP = "chip"  # logical cores of one Trainium2 chip (the `model` axis at LNC=2)
+LINK_NODE = "node"  # NeuronLink-v3 between the 16 chips of one trn2.48xlarge
+LINK_EFA = "efa"  # EFAv3 between trn2.48xlarge instances
+LINK_CLASSES = (LINK_CHIP, LINK_NODE, LINK_EFA)  # fastest to slowest
+
+TRN2_CHIP_HBM_BYTES_S = 2.9e12
+TRN2_CHIP_NEURONLINK_BYTES_S = 1024e9
+TRN2_NODE_EFA_BYTES_S = 3200e9 / 8
+
+
+def devices_per_chip(lnc: int = DEFAULT_LNC) -> int:
+    """JAX devices of one Trainium2 chip: 8 physical cores / LNC (4 at LNC=2)."""
+    return TRN2_CORES_PER_CHIP // check_lnc(lnc)
+
+
+def trn2_links(lnc: int = DEFAULT_LNC) -> dict[str, dict[str, float]]:
+    """{link class: {"bytes_per_s": per device and direction, "latency_s": per hop}}."""
+    per_chip, per_node = devices_per_chip(lnc), devices_per_node(lnc)
+    return {
+        LINK_CHIP: {"bytes_per_s": TRN2_CHIP_HBM_BYTES_S / 2 / per_chip, "latency_s": 2e-6},
+        LINK_NODE: {"bytes_per_s": TRN2_CHIP_NEURONLINK_BYTES_S / 2 / per_chip, "latency_s": 5e-6},
+        LINK_EFA: {"bytes_per_s": TRN2_NODE_EFA_BYTES_S / per_node, "latency_s": 20e-6},
+    }

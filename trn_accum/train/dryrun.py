@@ -52,7 +52,7 @@ from trn_accum.errors import UserError, one_line
 from trn_accum.model import fuji
 from trn_accum.neuron import kernels, platform, preflight
 from trn_accum.neuron.platform import DEVICE_BUDGET_GIB
-from trn_accum.train import autok, step
+from trn_accum.train import autok, perfmodel, step
 from trn_accum.train.config import load_config
 
 
@@ -96,14 +96,19 @@ def run(
     overrides: Sequence[str] = (),
     devices: int | None = None,
     nodes: int | None = None,
+    step_time: bool = False,
 ) -> dict[str, Any]:
-    """Lower and compile the train step; returns the report (see the module docstring)."""
+    """Lower and compile the train step; returns the report (see the module docstring).
+    `step_time`: add the trn2 step-time model (`trn_accum.train.perfmodel`, own process)."""
     t_start = time.perf_counter()
     cfg = load_config(config_path, overrides)
     subs = substitutions(cfg)
     with kernels.substitute(kernels.reference_kernels()) if subs else contextlib.nullcontext():
         report = _run(cfg, config_path, overrides, devices, nodes, t_start)
-    return {**report, "substitutions": subs}
+    report["substitutions"] = subs
+    if step_time:
+        report["step_time"] = perfmodel.run_in_subprocess(config_path, overrides, nodes)
+    return report
 
 
 def substitutions(cfg) -> list[dict[str, str]]:
@@ -366,4 +371,6 @@ def format_report(r: Mapping[str, Any], *, as_json: bool = False) -> str:
     lines += [f"  - {x}" for x in r["blockers"] + r["warnings"]]
     t = r["timings_s"]
     lines.append(f"lower {t['lower']} s, compile {t['compile']} s, total {t['total']} s")
+    if r.get("step_time"):
+        lines += perfmodel.format_lines(r["step_time"])
     return "\n".join(lines)

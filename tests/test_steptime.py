@@ -1,0 +1,223 @@
+"""The step-time model: bytes and links of collectives against hand arithmetic, on a small mesh.
+
+Layout of these tests: 8 mesh positions, 2 per "chip", 4 per "node", so on a mesh
+data 2 x fsdp 2 x model 2 the model axis stays in a chip, fsdp crosses chips in a node and data
+crosses nodes (the trn2 layout at 1/8 scale).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from trn_accum.analysis import recommend as rec
+from trn_accum.analysis import steptime
+from trn_accum.neuron import platform
+
+LINKS = {
+    "chip": {"bytes_per_s": 1000.0, "latency_s": 0.0},
+    "node": {"bytes_per_s": 100.0, "latency_s": 0.0},
+    "efa": {"bytes_per_s": 10.0, "latency_s": 1.0},
+}
+LAYOUT = steptime.Layout(devices_per_node=4, devices_per_chip=2, links=LINKS)
+SHAPE = {"data": 2, "fsdp": 2, "model": 2}
+
+
+def test_link_classes_of_groups():
+    assert steptime.link_of_groups(((0, 1), (2, 3)), LAYOUT) == platform.LINK_CHIP
+    assert steptime.link_of_groups(((0, 2), (1, 3)), LAYOUT) == platform.LINK_NODE
+    assert steptime.link_of_groups(((0, 4),), LAYOUT) == platform.LINK_EFA
+    assert steptime.link_of_groups(((0, 1), (2, 6)), LAYOUT) == platform.LINK_EFA
+    assert steptime.link_of_groups(((0,), (1,)), LAYOUT) is None
+
+
+def test_axis_groups_row_major():
+    assert steptime.axis_groups(("model",), SHAPE) == ((0, 1), (2, 3), (4, 5), (6, 7))
+    assert steptime.axis_groups(("fsdp",), SHAPE) == ((0, 2), (1, 3), (4, 6), (5, 7))
+    assert steptime.axis_groups(("data", "fsdp"), SHAPE) == ((0, 2, 4, 6), (1, 3, 5, 7))
+
+
+def test_ring_arithmetic():
+    # an fsdp all-gather of a float32 [1024, 64] parameter over 4 devices: (n-1)/n x bytes
+    s = 1024 * 64 * 4
+    assert steptime.ring_wire_bytes("all-gather", s, 4) == 196608.0
+    assert steptime.ring_wire_bytes("reduce-scatter", s, 4) == 196608.0
+    assert steptime.ring_wire_bytes("all-reduce", s, 4) == 393216.0
+    assert steptime.ring_wire_bytes("all-reduce", s, 1) == 0.0
+    assert steptime.ring_wire_bytes("collective-permute", s, 2) == s
+    # time: wire / bandwidth + steps x latency (all-reduce: 2 (n - 1) steps)
+    assert steptime.ring_time("all-reduce", 80.0, 2, LINKS["efa"]) == 80.0 / 10.0 + 2 * 1.0
+    assert steptime.ring_time("all-gather", 400.0, 4, LINKS["node"]) == 3.0
+    assert steptime.ring_time("all-gather", 400.0, 4, None) == 0.0
+
+
+def _program():
+    """3 loop trips of: all-gather w [4, 16] over fsdp (-> [8, 16] f32, 512 B), psum of the
+    result over data (512 B), psum of a [2, 16] f32 over model (128 B)."""
+    mesh = jax.make_mesh(tuple(SHAPE.values()), tuple(SHAPE), devices=jax.devices())
+
+    @functools.partial(
+        jax.shard_map,
+        mesh=mesh,
+        in_specs=(P("fsdp"), P()),
+        out_specs=P(),
+        check_vma=False,
+    )
+    def body(w, x):
+        def one(i, acc):
+            full = jax.lax.all_gather(w * (i + 1.0), "fsdp", tiled=True)  # [8, 16]
+            full = jax.lax.psum(full, "data")
+            part = jax.lax.psum(full[:2] * acc[:2], "model")
+            return acc + jnp.pad(part, ((0, 6), (0, 0)))
+
+        return jax.lax.fori_loop(0, 3, one, x)
+
+    w = jax.ShapeDtypeStruct((8, 16), jnp.float32, sharding=NamedSharding(mesh, P("fsdp")))
+    x = jax.ShapeDtypeStruct((8, 16), jnp.float32, sharding=NamedSharding(mesh, P()))
+    return jax.jit(body).lower(w, x).compile().as_text()
+
+
+def test_compiled_program_bytes_links_and_trips():
+    costs = steptime.collective_costs(_program(), SHAPE, layout=LAYOUT)
+    got = sorted((c.kind, c.axes, c.link, c.trips, c.bytes, c.wire_bytes) for c in costs)
+    assert got == [
+        ("all-gather", ("fsdp",), "node", 3, 512, 3 * 256.0),
+        ("all-reduce", ("data",), "efa", 3, 512, 3 * 512.0),
+        ("all-reduce", ("model",), "chip", 3, 128, 3 * 128.0),
+    ]
+    s = steptime.summarize(
+        costs, flops_per_step=100.0, peak_flops=10.0, tokens_per_step=50.0, accum_steps=3
+    )
+    assert s["by_link"]["efa"] == {"wire_bytes": 1536.0, "time_s": 3 * (51.2 + 2.0), "count": 1}
+    assert s["by_link"]["node"]["time_s"] == 3 * 2.56
+    assert s["by_axes"]["fsdp"]["loop_wire_bytes_per_minibatch"] == 256.0
+    assert s["compute_s"] == 10.0
+    comm = 3 * (53.2 + 2.56 + 0.128)
+    assert s["comm_s"] == pytest.approx(comm)
+    assert s["step_s_no_overlap"] == pytest.approx(10.0 + comm)
+    assert s["step_s_full_overlap"] == pytest.approx(comm)
+    assert s["mfu"] == pytest.approx([10.0 / (10.0 + comm), 10.0 / comm])
+
+
+def test_target_mesh_rescales_groups():
+    # The same program standing for data = 8 (4 times the nodes): the data all-reduce runs
+    # over 8 devices, its full buffer unchanged: 2 x 7/8 x 512 per run.
+    target = {"data": 8, "fsdp": 2, "model": 2}
+    costs = steptime.collective_costs(_program(), SHAPE, target, LAYOUT)
+    ar = [c for c in costs if c.axes == ("data",)][0]
+    assert (ar.group_size, ar.link, ar.wire_bytes) == (8, "efa", 3 * 896.0)
+
+
+def _summary(efa_bytes, node_bytes, efa_s, compute=1.0):
+    by_link = {
+        "chip": {"wire_bytes": 0.0, "time_s": 0.0, "count": 0},
+        "node": {"wire_bytes": node_bytes, "time_s": 0.5, "count": 1},
+        "efa": {"wire_bytes": efa_bytes, "time_s": efa_s, "count": 1},
+    }
+    return steptime._bounds(
+        {"by_link": by_link, "by_axes": {}, "comm_s": 0.5 + efa_s, "unknown_trips": 0},
+        compute * 10.0,
+        10.0,
+        1000.0,
+    )
+
+
+def test_extrapolate_summary_per_layer():
+    s2, s3 = _summary(100.0, 1000.0, 1.0), _summary(150.0, 1000.0, 1.5)
+    s = steptime.extrapolate_summary({2: s2, 3: s3}, 28)
+    assert s["by_link"]["efa"]["wire_bytes"] == 150.0 + 50.0 * 25
+    assert s["by_link"]["efa"]["time_s"] == pytest.approx(1.5 + 0.5 * 25)
+    assert s["by_link"]["node"]["wire_bytes"] == 1000.0
+    assert s["comm_s"] == pytest.approx(0.5 + 14.0)
+
+
+def test_recommend_prefers_fewer_efa_bytes_at_the_node_count():
+    a = rec.Candidate("hybrid", 4, 2, "once")
+    b = rec.Candidate("hybrid", 4, 2, "per_minibatch")
+    c = rec.Candidate("hybrid", 1, 8, "once")
+    rows = [
+        {"candidate": b, "fits": True, "summary": _summary(4 * 2**30, 0.0, 4.0)},
+        {"candidate": a, "fits": True, "summary": _summary(2**30, 0.0, 1.0)},
+        {"candidate": c, "fits": True, "summary": _summary(0.0, 0.0, 0.0, compute=0.1)},
+    ]
+    best = rec.recommend(rows, 4)
+    assert best["label"] == "hybrid x4 k=2 once"
+    assert best["reasons"][0].startswith("reduce = once over per_minibatch: step 2.500 s vs 5.5")
+    assert "3.00 GiB less over efa" in best["reasons"][0]
+    assert rec.recommend(rows, 2) is None
+    grid = rec.candidate_grid({("hybrid", 4): [1, 2, 4, 8]}, k_limit=2)
+    assert [x.label() for x in grid] == [
+        "hybrid x4 k=1 per_minibatch",
+        "hybrid x4 k=1 once",
+        "hybrid x4 k=2 per_minibatch",
+        "hybrid x4 k=2 once",
+    ]
+
+
+def test_tiny_train_step_once_reduces_over_nodes_once():
+    """The real train step (tiny Fuji, k=2) on 2 "nodes" of 4 devices (data 4 x fsdp 2): with
+    reduce="once" the only cross-node traffic is one all-reduce of the float32 gradient shard
+    (+ loss, weight, token count: 12 bytes) over the 4 data groups: 2 x 3/4 x bytes."""
+    from trn_accum.analysis.memory import tree_shard_bytes
+    from trn_accum.model import fuji
+    from trn_accum.train import perfmodel
+    from trn_accum.train.config import load_config
+
+    cfg = load_config("configs/fuji-tiny.toml", ["trainer.accum_steps=2"])
+    layout = steptime.Layout(devices_per_node=4, devices_per_chip=2)
+    once = perfmodel.predict(perfmodel._with(cfg, reduce="once"), nodes=2, layout=layout)
+    per_mb = perfmodel.predict(cfg, nodes=2, layout=layout)
+    shape = {"data": 4, "fsdp": 2, "model": 1}
+    params = jax.eval_shape(lambda: fuji.init_params(cfg.model, jax.random.key(0)))
+    f32 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float32), params)
+    grad = tree_shard_bytes(f32, fuji.param_specs(cfg.model, "fsdp", shape), shape)
+    assert once["target_mesh"] == shape
+    assert once["by_link"]["efa"]["wire_bytes"] == 2 * 3 / 4 * (grad + 12)
+    assert once["by_axes"]["data"]["loop_wire_bytes_per_minibatch"] == 0.0
+    assert per_mb["by_axes"]["data"]["loop_wire_bytes_per_minibatch"] > 0
+    assert per_mb["by_link"]["efa"]["wire_bytes"] > 3 * once["by_link"]["efa"]["wire_bytes"]
+
+
+def test_explore_tiny_candidates_and_recommendation(monkeypatch):
+    """The candidate sweep on the tiny Fuji (2 "nodes" of 4 devices), the compiles replaced by
+    a fake summary (fewer EFA bytes with reduce once, more with k): every fitting k up to
+    k_limit, "once" dropped where there is no data axis, the recommendation at the config's
+    node count, and the dry-run lines naming it."""
+    from trn_accum.train import perfmodel
+    from trn_accum.train.config import load_config
+
+    def fake(cfg, *, nodes, layout, **_):
+        k, once = cfg.trainer.accum_steps, cfg.trainer.reduce == "once"
+        s = _summary(0.0 if once else 100.0 * k, 10.0 * k, 0.1 if once else 0.2 * k)
+        return {**s, "depths_compiled": [2], "compile_s": 0.0, "target_mesh": {}}
+
+    monkeypatch.setattr(perfmodel, "predict", fake)
+    cfg = load_config("configs/fuji-tiny.toml", ["trainer.accum_steps=2"])
+    meshes = {
+        "hybrid": {"data": -1, "fsdp": 2, "model": 1},
+        "reference": {"data": 1, "fsdp": -1, "model": 1},
+    }
+    layout = steptime.Layout(devices_per_node=4, devices_per_chip=2)
+    st = perfmodel.explore(cfg, nodes=2, layout=layout, meshes=meshes, k_limit=2)
+    labels = [rec.Candidate(**c["candidate"]).label() for c in st["candidates"]]
+    assert st["fit_k"]["hybrid x2"] == [1, 2, 4]
+    assert labels == [
+        "hybrid x1 k=1 per_minibatch",
+        "hybrid x1 k=1 once",
+        "hybrid x1 k=2 per_minibatch",
+        "hybrid x1 k=2 once",
+        "hybrid x2 k=1 per_minibatch",
+        "hybrid x2 k=1 once",
+        "hybrid x2 k=2 per_minibatch",
+        "hybrid x2 k=2 once",
+        "reference x1 k=1 per_minibatch",
+        "reference x1 k=2 per_minibatch",
+        "reference x2 k=1 per_minibatch",
+        "reference x2 k=2 per_minibatch",
+    ]
+    assert st["recommendation"]["label"] == "hybrid x2 k=1 once"
+    lines = perfmodel.format_lines(st)
+    assert "  recommended at 2 node(s): hybrid x2 k=1 once" in lines

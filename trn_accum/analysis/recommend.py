@@ -1,0 +1,127 @@
+"""Candidate configurations of a train step and the one the step-time model recommends.
+
+A candidate is (mesh, nodes, k, reduce): mesh one of `MESHES` (per-axis sizes, -1 = all
+devices left), nodes the node count, k = trainer.accum_steps, reduce = trainer.reduce. The
+grid (`candidate_grid`) takes, per (mesh, nodes), the k that fit the memory budget (the
+analytic `trn_accum.analysis.memory.fit_by_steps`, smallest first; at most `k_limit` of them:
+compute is the same for every k and a larger k only adds per-minibatch parameter traffic) and
+both reduce modes. Nothing is compiled here: each candidate's `steptime.summarize` output comes
+from the caller (`trn_accum.train.perfmodel` compiles them).
+
+`recommend` picks, among the candidates that fit at the chosen node count, the lowest
+no-overlap step time (ties: full overlap), and says why in terms of the candidate it beats that
+differs in one choice (bytes over EFA / NeuronLink, step time).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from trn_accum.analysis.autotune import format_bytes
+from trn_accum.neuron import platform
+
+__all__ = ["MESHES", "REDUCES", "Candidate", "candidate_grid", "format_rows", "recommend"]
+
+#: The trn2 meshes compared: hybrid (nodes replicate over "data", FSDP inside a node) and the
+#: reference one (FSDP over every node).
+MESHES = {
+    "hybrid": {"data": -1, "fsdp": 16, "model": 4},
+    "reference": {"data": 1, "fsdp": -1, "model": 4},
+}
+REDUCES = ("per_minibatch", "once")
+
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Candidate:
+    mesh: str
+    nodes: int
+    k: int
+    reduce: str
+
+    def label(self) -> str:
+        return f"{self.mesh} x{self.nodes} k={self.k} {self.reduce}"
+
+
+def candidate_grid(
+    fitting_k: Mapping[tuple[str, int], Sequence[int]],
+    *,
+    reduces: Sequence[str] = REDUCES,
+    k_limit: int = 3,
+) -> list[Candidate]:
+    """Candidates for every (mesh, nodes) -> the ks that fit (ascending): the `k_limit`
+    smallest of them, each reduce mode."""
+    out = []
+    for (mesh, nodes), ks in sorted(fitting_k.items()):
+        out += [Candidate(mesh, nodes, k, r) for k in sorted(ks)[:k_limit] for r in reduces]
+    return out
+
+
+def _key(row: Mapping[str, Any]) -> tuple[float, float]:
+    s = row["summary"]
+    return (s["step_s_no_overlap"], s["step_s_full_overlap"])
+
+
+def _differs_in_one(a: Candidate, b: Candidate) -> str | None:
+    names = [f.name for f in dataclasses.fields(Candidate)]
+    diff = [n for n in names if getattr(a, n) != getattr(b, n)]
+    return diff[0] if len(diff) == 1 else None
+
+
+def _link_bytes(row, link: str) -> float:
+    return row["summary"]["by_link"].get(link, {}).get("wire_bytes", 0.0)
+
+
+def recommend(rows: Sequence[Mapping[str, Any]], nodes: int) -> dict[str, Any] | None:
+    """rows: [{"candidate": Candidate, "fits": bool, "summary": steptime summary}]. The best
+    fitting candidate at `nodes` nodes and the reason; None if none fits there."""
+    pool = [r for r in rows if r["fits"] and r["candidate"].nodes == nodes]
+    if not pool:
+        return None
+    pool.sort(key=_key)
+    best = pool[0]
+    b, bs = best["candidate"], best["summary"]
+    reasons = []
+    for other in pool[1:]:
+        field = _differs_in_one(b, other["candidate"])
+        if field is None or any(field in r for r in reasons):
+            continue
+        os_ = other["summary"]
+        parts = [
+            f"{field} = {getattr(b, field)} over {getattr(other['candidate'], field)}: step "
+            f"{bs['step_s_no_overlap']:.3f} s vs {os_['step_s_no_overlap']:.3f} s (no overlap)"
+        ]
+        for link in (platform.LINK_EFA, platform.LINK_NODE):
+            d = _link_bytes(other, link) - _link_bytes(best, link)
+            if abs(d) >= 1:
+                word = "less" if d > 0 else "more"
+                parts.append(f"{format_bytes(abs(d))} {word} over {link} per device per step")
+        reasons.append("; ".join(parts))
+    bound = "communication" if bs["comm_s"] > bs["compute_s"] else "compute"
+    reasons.append(
+        f"{bound}-bound: compute {bs['compute_s']:.3f} s at peak, communication "
+        f"{bs['comm_s']:.3f} s; MFU {bs['mfu'][0]:.1%}-{bs['mfu'][1]:.1%}"
+    )
+    return {"candidate": dataclasses.asdict(b), "label": b.label(), "reasons": reasons}
+
+
+def format_rows(rows: Sequence[Mapping[str, Any]]) -> list[str]:
+    """One line per candidate: fit, bytes per link, compute, comm, step bounds, tokens/s, MFU."""
+    head = (
+        f"  {'candidate':<33} {'fits':>4} {'chip':>10} {'node':>10} {'efa':>10} {'compute':>8} "
+        f"{'comm':>8} {'step s':>15} {'tokens/s':>19} {'MFU':>13}"
+    )
+    lines = [head]
+    for r in sorted(rows, key=lambda r: (r["candidate"].nodes, _key(r))):
+        s = r["summary"]
+        cells = [format_bytes(_link_bytes(r, lk)) for lk in platform.LINK_CLASSES]
+        lo, hi = s["step_s_full_overlap"], s["step_s_no_overlap"]
+        lines.append(
+            f"  {r['candidate'].label():<33} {'yes' if r['fits'] else 'no':>4} "
+            f"{cells[0]:>10} {cells[1]:>10} {cells[2]:>10} {s['compute_s']:>8.3f} "
+            f"{s['comm_s']:>8.3f} {lo:>7.3f}-{hi:<7.3f} "
+            f"{s['tokens_per_s'][0]:>9.3g}-{s['tokens_per_s'][1]:<9.3g} "
+            f"{s['mfu'][0]:>6.1%}-{s['mfu'][1]:<6.1%}"
+        )
+    return lines
