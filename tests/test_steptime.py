@@ -125,6 +125,34 @@ def _summary(efa_bytes, node_bytes, efa_s, compute=1.0):
     )
 
 
+def test_recommend_trades_up_to_the_band_of_step_time_for_memory_headroom():
+    """The 3B figures: k=1 1.740 s, k=2 1.824 s (+4.8%: within 5%), k=4 1.993 s (+14.5%):
+    k=2 is recommended, saying so; with a band of 0 the fastest, k=1."""
+
+    def rows():  # step = compute 1.0 + node 0.5 + efa
+        return [
+            {"candidate": rec.Candidate("hybrid", 32, k, "once"), "fits": True,
+             "summary": _summary(0.0, 0.0, t - 1.5)}
+            for k, t in ((1, 1.740), (2, 1.824), (4, 1.993))
+        ]  # fmt: skip
+
+    best = rec.recommend(rows(), 32)
+    assert best["label"] == "hybrid x32 k=2 once"
+    assert best["reasons"][0].startswith("k = 2 over 1 for memory headroom: step 1.824 s vs 1.740")
+    assert any(r.startswith("k = 2 over 4: step 1.824 s vs 1.993 s") for r in best["reasons"])
+    assert rec.HEADROOM_BAND == 0.05
+
+
+def test_recommend_without_headroom_band_is_the_fastest(monkeypatch):
+    monkeypatch.setattr(rec, "HEADROOM_BAND", 0.0)
+    rows = [
+        {"candidate": rec.Candidate("hybrid", 32, k, "once"), "fits": True,
+         "summary": _summary(0.0, 0.0, t - 1.5)}
+        for k, t in ((1, 1.740), (2, 1.824))
+    ]  # fmt: skip
+    assert rec.recommend(rows, 32)["label"] == "hybrid x32 k=1 once"
+
+
 def test_extrapolate_summary_per_layer():
     s2, s3 = _summary(100.0, 1000.0, 1.0), _summary(150.0, 1000.0, 1.5)
     s = steptime.extrapolate_summary({2: s2, 3: s3}, 28)
@@ -218,6 +246,7 @@ def test_explore_tiny_candidates_and_recommendation(monkeypatch):
         "reference x2 k=1 per_minibatch",
         "reference x2 k=2 per_minibatch",
     ]
-    assert st["recommendation"]["label"] == "hybrid x2 k=1 once"
+    # once: the same step for k=1 and k=2 in the fake, so the headroom rule takes k=2
+    assert st["recommendation"]["label"] == "hybrid x2 k=2 once"
     lines = perfmodel.format_lines(st)
-    assert "  recommended at 2 node(s): hybrid x2 k=1 once" in lines
+    assert "  recommended at 2 node(s): hybrid x2 k=2 once" in lines

@@ -107,7 +107,7 @@ def run(
         report = _run(cfg, config_path, overrides, devices, nodes, t_start)
     report["substitutions"] = subs
     if step_time:
-        report["step_time"] = perfmodel.run_in_subprocess(config_path, overrides, nodes)
+        report["step_time"] = perfmodel.run_in_subprocess(config_path, overrides, report["nodes"])
     return report
 
 
