@@ -53,7 +53,7 @@ def test_reduced_depth_3b_dry_run_on_64_devices(mesh_sets, all_nodes):
     assert rep["attention"] == "blockwise" and rep["substitutions"] == []
     assert rep["mesh_per_node"] == {"data": 1, "fsdp": 16, "model": 4}
     assert rep["mesh_all_nodes"] == all_nodes
-    assert rep["rows_per_node"] == 64 and rep["rows_per_device_group_per_minibatch"] == 2
+    assert rep["rows_per_node"] == 64 and rep["rows_per_device_group_per_minibatch"] == 1
     assert sum(rep["split_collectives"].values()) == 0
     assert rep["blockers"] == []
     ways = all_nodes["fsdp"] * all_nodes["model"]

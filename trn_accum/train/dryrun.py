@@ -107,7 +107,11 @@ def run(
         report = _run(cfg, config_path, overrides, devices, nodes, t_start)
     report["substitutions"] = subs
     if step_time:
-        report["step_time"] = perfmodel.run_in_subprocess(config_path, overrides, report["nodes"])
+        fit = report["fit"]
+        scale = max(1.0, (fit["compiled_total_bytes"] or 0) / fit["analytic_total_bytes"])
+        report["step_time"] = perfmodel.run_in_subprocess(
+            config_path, overrides, report["nodes"], memory_scale=scale
+        )
     return report
 
 

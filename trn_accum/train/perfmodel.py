@@ -140,16 +140,23 @@ def fitting_k(cfg, mesh_axes: dict, nodes: int, layout: steptime.Layout) -> dict
 
 def explore(cfg, *, nodes: int, layout: steptime.Layout, devices=None,
             meshes=None, k_limit: int = 3, depths=DEFAULT_DEPTHS,
-            emulate_nodes: int = EMULATE_NODES) -> dict[str, Any]:  # fmt: skip
-    """The config's prediction, every candidate's (fit, summary) and the recommendation."""
+            emulate_nodes: int = EMULATE_NODES,
+            memory_scale: float = 1.0) -> dict[str, Any]:  # fmt: skip
+    """The config's prediction, every candidate's (fit, summary) and the recommendation.
+
+    A candidate fits when its analytic per-device bytes times `memory_scale` are within
+    trainer.memory_budget_gib. The dry-run passes its own measured scale: the config's compiled
+    (XLA:CPU) footprint over its analytic total, when larger than 1, so a candidate is only
+    recommended where the compiled program, not just the lower-bound estimate, would fit."""
     t0 = time.perf_counter()
     meshes = rec.MESHES if meshes is None else meshes
     kw = dict(layout=layout, devices=devices, depths=depths, emulate_nodes=emulate_nodes)
     node_counts = sorted({nodes, 1})
     fits = {(m, n): fitting_k(cfg, axes, n, layout) for m, axes in meshes.items()
             for n in node_counts}  # fmt: skip
-    fit_ks = {key: [r["k"] for r in f["table"] if r["bytes"] <= cfg.trainer.memory_budget_gib
-                    * GIB] for key, f in fits.items()}  # fmt: skip
+    budget = cfg.trainer.memory_budget_gib * GIB
+    fit_ks = {key: [r["k"] for r in f["table"] if r["bytes"] * memory_scale <= budget]
+              for key, f in fits.items()}  # fmt: skip
     rows, seen = [], set()
     for cand in rec.candidate_grid(fit_ks, k_limit=k_limit):
         target = resolve_axes(meshes[cand.mesh], layout.devices_per_node * cand.nodes)
@@ -174,6 +181,7 @@ def explore(cfg, *, nodes: int, layout: steptime.Layout, devices=None,
             "summary": own,
         },  # fmt: skip
         "fit_k": {f"{m} x{n}": ks for (m, n), ks in fit_ks.items()},
+        "memory_scale": memory_scale,
         "candidates": [{**r, "candidate": dataclasses.asdict(r["candidate"])} for r in rows],
         "table": rec.format_rows(rows),
         "recommendation": best,
@@ -184,13 +192,14 @@ def explore(cfg, *, nodes: int, layout: steptime.Layout, devices=None,
 
 def plain_attention(cfg):
     """cfg with attention "plain": the attention core of every kind is local to a device's
-    (rows, heads) shard, so the collectives are the same, and "neuron_flash" has no CPU
-    kernel while "blockwise"'s scan does not trace under reduce="once" manual over "data"
-    (jax 0.10: its carry is not cast to varying)."""
+    (rows, heads) shard, so the collectives are the same; plain compiles fastest, and
+    "neuron_flash" has no CPU kernel."""
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention="plain"))
 
 
-def run_in_subprocess(config_path: str, overrides: Sequence[str], nodes: int) -> dict[str, Any]:
+def run_in_subprocess(
+    config_path: str, overrides: Sequence[str], nodes: int, memory_scale: float = 1.0
+) -> dict[str, Any]:
     """`explore` of the config on trn2 in a fresh process with enough emulated CPU devices."""
     n = platform.devices_per_node() * min(nodes, EMULATE_NODES)
     env = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -200,7 +209,8 @@ def run_in_subprocess(config_path: str, overrides: Sequence[str], nodes: int) ->
         "--xla_cpu_enable_concurrency_optimized_scheduler=false"
     ).strip()
     cmd = [sys.executable, "-m", "trn_accum.train.perfmodel", "--config", config_path,
-           "--nodes", str(nodes)] + [a for o in overrides for a in ("--set", o)]  # fmt: skip
+           "--nodes", str(nodes), "--memory-scale", repr(float(memory_scale))] + [
+        a for o in overrides for a in ("--set", o)]  # fmt: skip
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if out.returncode:
         raise RuntimeError(f"step-time model failed ({out.returncode}): {out.stderr[-2000:]}")
@@ -237,7 +247,9 @@ def format_lines(st: dict[str, Any]) -> list[str]:
         f"{s['step_s_full_overlap']:.3f} s (full overlap) to {s['step_s_no_overlap']:.3f} s (none)"
         f"; tokens/s {s['tokens_per_s'][0]:.4g}-{s['tokens_per_s'][1]:.4g}; MFU "
         f"{s['mfu'][0]:.1%}-{s['mfu'][1]:.1%}",
-        "  candidates (k that fit the budget, analytic: "
+        "  candidates (k that fit the budget: analytic bytes x "
+        f"{st.get('memory_scale', 1.0):.2f}, the dry-run's compiled CPU footprint over its "
+        "analytic total; "
         + "; ".join(f"{key}: {ks}" for key, ks in st["fit_k"].items())
         + "); bytes per device per step:",
         *st["table"],
@@ -255,13 +267,14 @@ def main(argv=None) -> int:
     p.add_argument("--config", required=True)
     p.add_argument("--set", dest="overrides", action="append", default=[])
     p.add_argument("--nodes", type=int, default=None)
+    p.add_argument("--memory-scale", type=float, default=1.0)
     a = p.parse_args(argv)
     cfg = load_config(a.config, a.overrides)
     nodes = cfg.mesh.nodes if a.nodes is None else a.nodes
     if not isinstance(cfg.trainer.accum_steps, int):
         fits = fitting_k(cfg, cfg.mesh.axes(), nodes, steptime.Layout.trn2())["accum_steps"]
         cfg = _with(cfg, k=fits or 1)
-    report = explore(cfg, nodes=nodes, layout=steptime.Layout.trn2())
+    report = explore(cfg, nodes=nodes, layout=steptime.Layout.trn2(), memory_scale=a.memory_scale)
     print(json.dumps(report, default=str))
     return 0
 
