@@ -40,9 +40,10 @@ def test_reduced_depth_3b_dry_run_on_64_devices(mesh_sets, all_nodes):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)  # the CLI sets 64 devices itself
     sets = [a for m in mesh_sets for a in ("--set", m)]
+    step_time = [] if not mesh_sets else ["--no-step-time"]  # the model once, on the config
     r = subprocess.run(
         [sys.executable, "-m", "trn_accum.cli", "dry-run", "--config", F3B, "--devices", "64",
-         "--set", "model.num_layers=2", *sets, "--json"],
+         "--set", "model.num_layers=2", *sets, *step_time, "--json"],
         env=env, cwd=ROOT, capture_output=True, text=True, timeout=900,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
@@ -57,6 +58,14 @@ def test_reduced_depth_3b_dry_run_on_64_devices(mesh_sets, all_nodes):
     assert sum(rep["split_collectives"].values()) == 0
     assert rep["blockers"] == []
     ways = all_nodes["fsdp"] * all_nodes["model"]
+    if not mesh_sets:  # the step-time model (default on): bytes by link, bounds, a pick
+        st = rep["step_time"]
+        assert set(st["config"]["summary"]["by_link"]) == {"chip", "node", "efa"}
+        assert st["config"]["summary"]["by_link"]["efa"]["wire_bytes"] > 0  # across nodes
+        assert st["recommendation"]["label"].startswith("hybrid x32 ")
+        assert {c["candidate"]["mesh"] for c in st["candidates"]} == {"hybrid", "reference"}
+    else:
+        assert "step_time" not in rep
     # Norm scales are replicated, every matrix is split over fsdp x model (64 or 2048 ways).
     norms = 2 * 2 * 3072 + 3072
     assert rep["bytes_per_device"]["params"] == 4 * ((rep["params"] - norms) // ways + norms)
