@@ -28,6 +28,7 @@ runs it there.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import glob
 import json
 import os
@@ -270,7 +271,7 @@ def _compare_attention(fn, ref, args, tol: float, what: str) -> tuple[str, str]:
 
 def row_blockwise(c: Check) -> tuple[str, str]:
     args, block = _attention_inputs(c)
-    fn = lambda q, k, v: attn_lib.blockwise_attention(q, k, v, block_size=block)  # noqa: E731
+    fn = functools.partial(attn_lib.blockwise_attention, block_size=block)
     return _compare_attention(
         fn, attn_lib.plain_attention, args, RTOL, f"blockwise (block {block}) vs plain"
     )
@@ -285,8 +286,8 @@ def row_neuron_flash(c: Check) -> tuple[str, str]:
         if c.on_neuron:
             return FAIL, str(e)
         found, label = kernels.reference_kernels(), "CPU stand-in kernels"
-    fn = lambda q, k, v: kernels.flash_attention(q, k, v, kernels=found)  # noqa: E731
-    ref = lambda q, k, v: attn_lib.blockwise_attention(q, k, v, block_size=block)  # noqa: E731
+    fn = functools.partial(kernels.flash_attention, kernels=found)
+    ref = functools.partial(attn_lib.blockwise_attention, block_size=block)
     return _compare_attention(fn, ref, args, RTOL, f"neuron_flash ({label}) vs blockwise")
 
 
@@ -298,7 +299,9 @@ def row_remat(c: Check) -> tuple[str, str]:
     batch = {"input_ids": tokens, "target_labels": tokens, "target_mask": jnp.ones_like(tokens)}
 
     def grads(model):
-        loss = lambda p: fuji.loss_fn(p, batch, model)[0]  # noqa: E731
+        def loss(p):
+            return fuji.loss_fn(p, batch, model)[0]
+
         return jax.jit(jax.grad(loss))(params)
 
     got = jax.tree.leaves(grads(dataclasses.replace(m, remat=policy)))
