@@ -109,9 +109,12 @@ def run(
     if step_time:
         fit = report["fit"]
         scale = max(1.0, (fit["compiled_total_bytes"] or 0) / fit["analytic_total_bytes"])
-        report["step_time"] = perfmodel.run_in_subprocess(
-            config_path, overrides, report["nodes"], memory_scale=scale
-        )
+        try:
+            report["step_time"] = perfmodel.run_in_subprocess(
+                config_path, overrides, report["nodes"], memory_scale=scale
+            )
+        except perfmodel.StepTimeError as e:
+            report["step_time"] = {"error": one_line(e)}
     return report
 
 
@@ -375,6 +378,8 @@ def format_report(r: Mapping[str, Any], *, as_json: bool = False) -> str:
     lines += [f"  - {x}" for x in r["blockers"] + r["warnings"]]
     t = r["timings_s"]
     lines.append(f"lower {t['lower']} s, compile {t['compile']} s, total {t['total']} s")
-    if r.get("step_time"):
+    if r.get("step_time", {}).get("error"):
+        lines.append(f"step-time model: not computed: {r['step_time']['error']}")
+    elif r.get("step_time"):
         lines += perfmodel.format_lines(r["step_time"])
     return "\n".join(lines)

@@ -42,6 +42,7 @@ from trn_accum.analysis import recommend as rec
 from trn_accum.analysis import steptime
 from trn_accum.analysis.memory import GIB, fit_by_steps, tree_shard_bytes
 from trn_accum.core.sharding import resolve_axes
+from trn_accum.errors import UserError
 from trn_accum.model import fuji
 from trn_accum.neuron import platform
 from trn_accum.train import step as step_lib
@@ -190,6 +191,11 @@ def explore(cfg, *, nodes: int, layout: steptime.Layout, devices=None,
     }
 
 
+class StepTimeError(UserError):
+    """The step-time model could not compile or price the config (e.g. a mesh or batch that
+    the trn2 candidate meshes do not divide); the dry-run reports it and goes on."""
+
+
 def plain_attention(cfg):
     """cfg with attention "plain": the attention core of every kind is local to a device's
     (rows, heads) shard, so the collectives are the same; plain compiles fastest, and
@@ -213,7 +219,9 @@ def run_in_subprocess(
         a for o in overrides for a in ("--set", o)]  # fmt: skip
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if out.returncode:
-        raise RuntimeError(f"step-time model failed ({out.returncode}): {out.stderr[-2000:]}")
+        lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
+        last = lines[-1] if lines else f"exit {out.returncode}"
+        raise StepTimeError(f"the step-time model could not price this config: {last}")
     return json.loads(out.stdout)
 
 
