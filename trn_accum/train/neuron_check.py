@@ -70,16 +70,18 @@ class Check:
 
     def __init__(self, cfg: Config, run_dir: str):
         self.cfg, self.run_dir = cfg, run_dir
-        self.devices = jax.local_devices()
+        self.devices = jax.local_devices()  # this process's (64 per trn2.48xlarge)
+        self.job_devices = jax.devices()  # every process's: the train-step rows use them all
         self.on_neuron = jax.default_backend() == "neuron"
 
     # -------------------------------------------------------------------- the probe config
 
     def probe(self, *, data: int = 1, **trainer) -> Config:
         """The config's model pieces (attention, remat, head_dim, GQA ratio, mesh rules) at a
-        size that compiles in seconds, float32, on a mesh over this process's devices: the
-        config's model axis, `data` (when it divides) and fsdp the rest."""
-        c, n = self.cfg, len(self.devices)
+        size that compiles in seconds, float32, on a mesh over the job's devices (every
+        process's, so a multi-node check runs the real cross-node step): the config's model
+        axis, `data` (when it divides) and fsdp the rest."""
+        c, n = self.cfg, len(self.job_devices)
         model_axis = c.mesh.model if c.mesh.model > 0 and n % c.mesh.model == 0 else 1
         data = data if (n // model_axis) % data == 0 else 1
         fsdp = n // model_axis // data
@@ -101,19 +103,19 @@ class Check:
         )
         mesh = dataclasses.replace(c.mesh, data=data, fsdp=fsdp, model=model_axis, nodes=1)
         shards = n // model_axis
-        data = dataclasses.replace(
+        data_cfg = dataclasses.replace(
             c.data, kind="synthetic", seq_len=seq, global_batch=shards * 4, path=""
         )
         t = dataclasses.replace(
             c.trainer, **{"accum_steps": 1, "reduce": "per_minibatch", **trainer}
         )
-        return dataclasses.replace(c, model=m, mesh=mesh, data=data, trainer=t)
+        return dataclasses.replace(c, model=m, mesh=mesh, data=data_cfg, trainer=t)
 
     def train_step(self, cfg: Config) -> dict:
         """One real train step of `cfg` from its initial state: the metrics as floats."""
         from trn_accum.train.loop import Trainer
 
-        trainer = Trainer.build(cfg, self.devices)
+        trainer = Trainer.build(cfg, self.job_devices)
         _, metrics = trainer.step(trainer.init(), trainer.batch(0))
         return {k: float(v) for k, v in jax.device_get(metrics).items()}
 
