@@ -431,7 +431,7 @@ FATE_WORKER = textwrap.dedent(
 )
 
 
-def test_a_dead_peer_makes_the_other_process_exit():
+def test_a_dead_peer_makes_the_other_process_exit(tmp_path):
     """The premise of the EKS failure policy: when one rank dies, every other rank exits
     non-zero on its own (JAX's coordination service), so all pods fail and are replaced."""
     port = free_port()
@@ -451,14 +451,16 @@ def test_a_dead_peer_makes_the_other_process_exit():
                     [sys.executable, "-c", FATE_WORKER],
                     env=env,
                     stdout=subprocess.PIPE,
-                    stderr=subprocess.DEVNULL,
+                    stderr=open(tmp_path / f"rank{i}.err", "w"),
                     text=True,
                     start_new_session=True,
                 )
             )
-        for p in procs:  # wait until both ranks are past a global barrier
+        for i, p in enumerate(procs):  # wait until both ranks are past a global barrier
             lines = iter(p.stdout.readline, "")
-            assert any(line.strip() == "up" for line in lines), "a rank never came up"
+            came_up = any(line.strip() == "up" for line in lines)
+            err = (tmp_path / f"rank{i}.err").read_text()[-3000:]
+            assert came_up, f"rank {i} never came up:\n{err}"
         procs[1].send_signal(signal.SIGKILL)
         t0 = time.monotonic()
         rc = procs[0].wait(timeout=60)

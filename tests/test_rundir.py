@@ -235,6 +235,8 @@ _RANKS = textwrap.dedent(
     rank = jax.process_index()
     c = rundir.claim_for_job(shared, say=lambda _: None)
     print("FIRST", "owner" if c is not None else "member", c.token if c else "", flush=True)
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices("first-seen")  # process 1 has seen the claim: release
     if c is not None:
         c.release()
     for name, run_dir, wait in (("SECOND", owned, 30), ("THIRD", f"{base}-{rank}", 1)):
