@@ -40,6 +40,19 @@ def tree_shard_bytes(abstract, specs, mesh_shape: Mapping[str, int]) -> int:
     )
 
 
+def state_shard_bytes(abstract_state, param_specs, opt_specs, mesh_shape) -> dict[str, int]:
+    """Per-device bytes of a train state's parameters, their float32 gradient (the
+    accumulator; the trainer asks for float32 gradients) and the optimizer state, on a mesh of
+    `mesh_shape`. `abstract_state`: {"params", "opt_state", ...} of ShapeDtypeStructs."""
+    params = abstract_state["params"]
+    f32 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float32), params)
+    return {
+        "params": tree_shard_bytes(params, param_specs, mesh_shape),
+        "grads": tree_shard_bytes(f32, param_specs, mesh_shape),
+        "opt_state": tree_shard_bytes(abstract_state["opt_state"], opt_specs, mesh_shape),
+    }
+
+
 def activation_estimate(cfg: Any, rows_per_minibatch: int, model_axis: int) -> dict[str, Any]:
     """Analytic per-device activation bytes of one minibatch (forward kept for backward).
 

@@ -35,7 +35,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from trn_accum.analysis import hlo as hlo_lib
 from trn_accum.analysis.collectives import count_collectives
@@ -45,7 +44,7 @@ from trn_accum.analysis.memory import (
     compiled_memory,
     fit_by_steps,
     footprint,
-    tree_shard_bytes,
+    state_shard_bytes,
 )
 from trn_accum.core.sharding import resolve_axes, split_minibatches
 from trn_accum.errors import UserError, one_line
@@ -132,11 +131,11 @@ def substitutions(cfg) -> list[dict[str, str]]:
         "the NKI kernel runs on NeuronCores only; the stand-in is exact attention with the "
         "kernel's documented IO (its [S, S] scores inflate the compiled temporaries)"
     )
+    refs = kernels.reference_kernels()
     return [
-        {"piece": f"nkilib {name}", "with": ref.name, "why": why}
-        for name, ref in (("attention_cte", kernels.reference_kernels()["fwd"]),
-                          ("attention_bwd", kernels.reference_kernels()["bwd"]))
-    ]  # fmt: skip
+        {"piece": f"nkilib {name}", "with": refs[key].name, "why": why}
+        for name, key in (("attention_cte", "fwd"), ("attention_bwd", "bwd"))
+    ]
 
 
 def _run(cfg, config_path, overrides, devices, nodes, t_start) -> dict[str, Any]:
@@ -191,13 +190,8 @@ def _run(cfg, config_path, overrides, devices, nodes, t_start) -> dict[str, Any]
 
     # Bytes per device, exact from shard shapes on the full (multi-node) mesh.
     n_params = fuji.num_params(cfg.model)
-    p_bytes = tree_shard_bytes(abstract["params"], specs, full_shape)
-    g_bytes = tree_shard_bytes(
-        jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float32), abstract["params"]),
-        specs,
-        full_shape,
-    )
-    o_bytes = tree_shard_bytes(abstract["opt_state"], sspecs["opt_state"], full_shape)
+    sb = state_shard_bytes(abstract, specs, sspecs["opt_state"], full_shape)
+    p_bytes, g_bytes, o_bytes = sb["params"], sb["grads"], sb["opt_state"]
     mem = compiled_memory(compiled)
     act = activation_estimate(cfg, rows_per_mb, local_shape.get("model", 1))
     budget = DEVICE_BUDGET_GIB * GIB

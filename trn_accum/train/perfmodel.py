@@ -36,11 +36,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from trn_accum.analysis import recommend as rec
 from trn_accum.analysis import steptime
-from trn_accum.analysis.memory import GIB, fit_by_steps, tree_shard_bytes
+from trn_accum.analysis.memory import GIB, fit_by_steps, state_shard_bytes
 from trn_accum.core.sharding import resolve_axes
 from trn_accum.errors import UserError
 from trn_accum.model import fuji
@@ -87,12 +86,8 @@ def _state_bytes(cfg, target_shape: dict) -> int:
     abstract = step_lib.abstract_state(cfg, tx)
     specs = fuji.param_specs(cfg.model, cfg.mesh.rules, target_shape)
     sspecs = step_lib.state_specs(tx, abstract, specs)
-    f32 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float32), abstract["params"])
-    return (
-        tree_shard_bytes(abstract["params"], specs, target_shape)
-        + tree_shard_bytes(abstract["opt_state"], sspecs["opt_state"], target_shape)
-        + 2 * tree_shard_bytes(f32, specs, target_shape)
-    )
+    b = state_shard_bytes(abstract, specs, sspecs["opt_state"], target_shape)
+    return b["params"] + b["opt_state"] + 2 * b["grads"]
 
 
 def predict(cfg, *, nodes: int, layout: steptime.Layout, devices=None,
