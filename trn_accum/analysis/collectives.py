@@ -63,6 +63,72 @@ class Collective:
     source_target_pairs: tuple[tuple[int, int], ...] | None
     bytes: int
     trip_multiplier: int | None
+    native_bytes: int = -1  # bytes at the partitioner's dtype (`native_bytes`); -1 = `bytes`
+
+    @property
+    def wire_bytes_source(self) -> int:
+        """The result bytes a backend without XLA:CPU's float promotion moves (see
+        `native_bytes`)."""
+        return self.bytes if self.native_bytes < 0 else self.native_bytes
+
+
+#: Float types XLA:CPU widens to float32 around collectives (`all-reduce-promotion` for
+#: all-reduce / reduce-scatter; `float-normalization-bf16` for the rest: its all-reduce thunk
+#: has no bfloat16, "UNIMPLEMENTED: AllReduce for datatype 'bf16'"), 2 bytes an element.
+_PROMOTED = ("bf16", "f16")
+
+
+def _converted_from_narrow(module: HloModule, ins: Instruction) -> bool:
+    """True when `ins` is a convert of a bfloat16 / float16 value, or a fusion whose root is
+    one (through bitcasts / reshapes / copies / transposes): the value is exactly
+    representable in 2 bytes and the widening is the backend's."""
+    if ins.opcode == "fusion":
+        for name in ins.called_computations:
+            comp = module.computations.get(name)
+            root = comp.root if comp is not None else None
+            if root is not None and _converted_from_narrow(module, root):
+                return True
+        return False
+    ops = module.operand_instructions(ins)
+    if ins.opcode in _LAYOUT_ONLY and len(ops) == 1:
+        return _converted_from_narrow(module, ops[0])
+    if ins.opcode != "convert":
+        return False
+    return bool(ops) and bool(ops[0].shapes) and ops[0].dtypes <= set(_PROMOTED)
+
+
+_LAYOUT_ONLY = ("bitcast", "reshape", "copy", "transpose")  # move elements, keep their values
+
+
+def native_bytes(module: HloModule, ins: Instruction, nbytes: int) -> int:
+    """The bytes of a collective at the dtype the SPMD partitioner gave it.
+
+    XLA:CPU widens 2-byte float collectives to float32 after partitioning (checked on the
+    passes' dumps, `--xla_dump_hlo_pass_re`: the same collectives are bf16 before, f32 after):
+    - a reduction (all-reduce, reduce-scatter) gets a reducer named `*promoted*` (pass
+      `all-reduce-promotion`): priced at 2 bytes an element. A reduction the combiner merged
+      with float32 ones keeps float32 (partial sums of bf16 values are not bf16 values; the
+      program's own widening and the backend's cannot be told apart there): an overcharge.
+    - a data movement (all-gather, all-to-all, permute) of a value that is a widened 2-byte
+      float (its operand a convert from bf16, `float-normalization-bf16`): 2 bytes an element,
+      lossless, what a backend with 2-byte collectives (Neuron) moves.
+    Everything else keeps `nbytes`.
+    """
+    if "f32" not in ins.dtypes:
+        return nbytes
+    kind = _collective_kind(ins.opcode)
+    if kind in ("all-reduce", "reduce-scatter"):
+        return nbytes // 2 if "promoted" in (ins.attrs.get("to_apply") or "") else nbytes
+    ops = module.operand_instructions(ins)
+    arrays = [a for a in ins.shapes if a.dims or not ins.is_tuple]
+    if ins.is_tuple and len(ops) == len(arrays):  # a combined collective: operand by operand
+        return sum(
+            a.nbytes // 2 if a.dtype == "f32" and _converted_from_narrow(module, o) else a.nbytes
+            for a, o in zip(arrays, ops, strict=True)
+        )
+    if len(ins.dtypes) == 1 and ops and all(_converted_from_narrow(module, o) for o in ops):
+        return nbytes // 2
+    return nbytes
 
 
 def _collectives(module: HloModule) -> list[Collective]:
@@ -99,6 +165,7 @@ def _collectives(module: HloModule) -> list[Collective]:
                 source_target_pairs=pairs,
                 bytes=nbytes,
                 trip_multiplier=module.trip_multiplier(ins.computation),
+                native_bytes=native_bytes(module, ins, nbytes),
             )
         )
     return out

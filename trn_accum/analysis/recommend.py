@@ -28,10 +28,13 @@ from trn_accum.neuron import platform
 
 __all__ = ["MESHES", "REDUCES", "Candidate", "candidate_grid", "format_rows", "recommend"]
 
-#: The trn2 meshes compared: hybrid (nodes replicate over "data", FSDP inside a node) and the
-#: reference one (FSDP over every node).
+#: The trn2 meshes compared: hybrid (nodes replicate over "data", FSDP over the rest of a
+#: node) with tensor parallelism over the 4, 2 or 1 devices of a chip's share (model axis), and
+#: the reference one (FSDP over every node, AXLearn's trn2 mesh).
 MESHES = {
     "hybrid": {"data": -1, "fsdp": 16, "model": 4},
+    "hybrid-m2": {"data": -1, "fsdp": 32, "model": 2},
+    "hybrid-m1": {"data": -1, "fsdp": 64, "model": 1},
     "reference": {"data": 1, "fsdp": -1, "model": 4},
 }
 REDUCES = ("per_minibatch", "once")

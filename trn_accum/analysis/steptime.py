@@ -9,22 +9,35 @@ the trailing axes stay inside a chip, then a node).
 
 Per collective (`collective_costs`): kind, the mesh axes its groups span (`group_axes`), its
 trip count (product of the enclosing loops' known trip counts, `HloModule.trip_multiplier`),
-the group size on the target mesh, the slowest link class a group crosses there, and:
+the group size on the target mesh, how a group splits over the levels of the hardware
+(`group_levels`: devices per chip, chips per node, nodes) and:
 
-    S = the full buffer of one group: all-gather result; reduce-scatter result x n_compiled;
-        all-reduce / all-to-all / collective-permute result
-    wire bytes per device per run (ring algorithm, n = group size on the target mesh):
-        all-gather, reduce-scatter, all-to-all: (n - 1) / n x S
-        all-reduce (reduce-scatter + all-gather):  2 (n - 1) / n x S
-        collective-permute: S
-    time per run = wire / bandwidth + steps x latency, steps = n - 1 (2 (n - 1) all-reduce, 1
-        permute), bandwidth and latency of the link class (`trn_accum.neuron.platform`)
+    S = the full buffer of one group, at the partitioner's dtype (`Collective.wire_bytes_source`:
+        XLA:CPU's float32 widening of bf16 collectives undone): all-gather result;
+        reduce-scatter result x n_compiled; all-reduce / all-to-all / collective-permute result
+    hierarchical algorithms (the levels innermost first, n_l the group's extent at level l,
+        S_l = S / (product of the n of the levels inside l)); per device per run:
+        all-reduce: reduce-scatter up the levels, all-reduce of the node's share across nodes,
+            all-gather down: wire_l = 2 (n_l - 1) / n_l x S_l, steps_l = 2 (n_l - 1)
+        all-gather, reduce-scatter: wire_l = (n_l - 1) / n_l x S_l, steps_l = n_l - 1
+        all-to-all, collective-permute: one ring on the slowest link (S x (n - 1) / n; S)
+    time per run = sum over levels of wire_l / bandwidth_l + steps_l x latency_l (levels one
+        after the other; bandwidth and latency of the link class, `trn_accum.neuron.platform`)
+
+A group on one level is the flat ring. A group over data x fsdp (16 devices per node, one per
+chip, 32 nodes) crosses EFA with 1/16 of the buffer in 2 x 31 steps, not as a 512-device ring
+on EFA: this is the algorithm the Neuron runtime documents for inter-node collectives
+(neuron-runtime/explore/internode-collective-comm: intra-node first, then inter-node).
 
 S does not depend on the size of the axes a collective runs over (all-gathers gather whole
 parameters, reduce-scatters scatter them, all-reduces reduce a shard of another axis), which is
-what lets a program compiled on 2 nodes stand for 32. `summarize` adds them per link class
-and per axis set, and turns them into step-time bounds: no overlap (compute + communication)
-and full overlap (max of the two), with tokens/s and MFU at each.
+what lets a program compiled on 2 nodes stand for 32, as long as its loops' trip counts do not
+depend on the node count either (the loss-chunk loop of `trn_accum.model.xent` is sized per
+batch shard for this; `trip_counts` lists a program's loops to check it). `summarize` adds the
+costs per link class and per axis set, and turns them into step-time bounds: no overlap
+(compute + communication) and full overlap (max of the two), compute = the FLOPs the program
+executes (HLO dots x trips, remat included) at peak, MFU = useful (analytic) FLOPs / (peak x
+step).
 """
 
 from __future__ import annotations
@@ -46,6 +59,8 @@ __all__ = [
     "axis_groups",
     "collective_costs",
     "extrapolate_summary",
+    "group_levels",
+    "hierarchical_cost",
     "link_of_groups",
     "ring_wire_bytes",
     "ring_time",
@@ -121,10 +136,62 @@ def ring_time(kind: str, full_bytes: float, n: int, link: Mapping[str, float] | 
     return ring_wire_bytes(kind, full_bytes, n) / link["bytes_per_s"] + steps * link["latency_s"]
 
 
+def group_levels(groups: Sequence[Sequence[int]], layout: Layout) -> tuple[int, int, int] | None:
+    """(devices per chip, chips per node, nodes) that every group of >= 2 devices spans, in
+    the order of `platform.LINK_CLASSES`; None when the groups are not regular (different
+    counts per chip or node) or when every group is a single device."""
+    levels = None
+    for g in groups:
+        if len(g) < 2:
+            continue
+        chips: dict[int, int] = {}
+        for p in g:
+            chips[p // layout.devices_per_chip] = chips.get(p // layout.devices_per_chip, 0) + 1
+        nodes: dict[int, int] = {}
+        for c in chips:
+            n = c * layout.devices_per_chip // layout.devices_per_node
+            nodes[n] = nodes.get(n, 0) + 1
+        if len(set(chips.values())) != 1 or len(set(nodes.values())) != 1:
+            return None
+        here = (next(iter(chips.values())), next(iter(nodes.values())), len(nodes))
+        if levels not in (None, here):
+            return None
+        levels = here
+    return levels
+
+
+def hierarchical_cost(
+    kind: str, full_bytes: float, levels: Sequence[int], links: Mapping[str, Mapping[str, float]]
+) -> dict[str, tuple[float, float]]:
+    """{link class: (wire bytes, seconds)} per device per run of a collective whose groups span
+    `levels` = (n_chip, n_node, n_efa) (see the module docstring); levels of extent 1 move
+    nothing. all-to-all and collective-permute: one ring on the outermost level used."""
+    out: dict[str, tuple[float, float]] = {}
+    if kind in ("all-reduce", "all-gather", "reduce-scatter"):
+        share = float(full_bytes)
+        for link, n in zip(platform.LINK_CLASSES, levels, strict=True):
+            if n > 1:
+                wire = ring_wire_bytes(kind, share, n)
+                out[link] = (wire, ring_time(kind, share, n, links.get(link)))
+            share /= n
+        return out
+    n = math.prod(levels)
+    outer = [lk for lk, m in zip(platform.LINK_CLASSES, levels, strict=True) if m > 1]
+    if outer:
+        out[outer[-1]] = (
+            ring_wire_bytes(kind, full_bytes, n),
+            ring_time(kind, full_bytes, n, links.get(outer[-1])),
+        )
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class CollectiveCost:
     """One collective on the target mesh. bytes: S (see the module docstring); wire_bytes and
-    time_s per device per step (x trips); trips: runs per step (1 if unknown, flagged)."""
+    time_s per device per step (x trips), split per link class in `by_link` {link: (wire
+    bytes, seconds)}; link: the slowest class it crosses; levels: (n_chip, n_node, n_efa) or
+    None (irregular groups: one ring on the slowest link); trips: runs per step (1 if unknown,
+    flagged)."""
 
     name: str
     kind: str
@@ -137,10 +204,13 @@ class CollectiveCost:
     bytes: int
     wire_bytes: float
     time_s: float
+    levels: tuple[int, int, int] | None = None
+    by_link: Mapping[str, tuple[float, float]] = dataclasses.field(default_factory=dict)
 
 
 def _full_bytes(c: Collective, n_compiled: int) -> int:
-    return c.bytes * n_compiled if c.kind == "reduce-scatter" else c.bytes
+    b = c.wire_bytes_source
+    return b * n_compiled if c.kind == "reduce-scatter" else b
 
 
 def _cost(
@@ -148,27 +218,33 @@ def _cost(
     compiled_shape: Mapping[str, int],
     target_shape: Mapping[str, int],
     layout: Layout,
-    link_cache: dict,
+    cache: dict,
 ) -> CollectiveCost:
     trips = c.trip_multiplier
     if c.kind == "collective-permute":
-        pairs = c.source_target_pairs or ()
-        axes, n_c = None, 2 if pairs else 1
-        n, link = n_c, link_of_groups(pairs, layout)
+        groups = c.source_target_pairs or ()
+        axes, n_c = None, 2 if groups else 1
     else:
         groups = c.replica_groups or ()
         axes = group_axes(groups, compiled_shape)
         n_c = max((len(g) for g in groups), default=1)
-        if axes is None:  # not a product of mesh axes: take the compiled groups as they are
-            n, link = n_c, link_of_groups(groups, layout)
-        else:
-            n = math.prod(target_shape[a] for a in axes)
-            if axes not in link_cache:
-                link_cache[axes] = link_of_groups(axis_groups(axes, target_shape), layout)
-            link = link_cache[axes]
+    if axes is not None:  # priced on the target mesh's groups of those axes
+        n = math.prod(target_shape[a] for a in axes)
+        if axes not in cache:
+            tg = axis_groups(axes, target_shape)
+            cache[axes] = (link_of_groups(tg, layout), group_levels(tg, layout))
+        link, levels = cache[axes]
+    else:  # not a product of mesh axes: the compiled groups as they are
+        n, link, levels = n_c, link_of_groups(groups, layout), group_levels(groups, layout)
     full = _full_bytes(c, n_c)
     runs = 1 if trips is None else trips
-    lk = layout.links.get(link) if link else None
+    if c.kind == "collective-permute" or levels is None:
+        lk = layout.links.get(link) if link else None
+        one = {link: (ring_wire_bytes(c.kind, full, n), ring_time(c.kind, full, n, lk))}
+        one = {} if link is None else one
+    else:
+        one = hierarchical_cost(c.kind, full, levels, layout.links)
+    by_link = {lk: (w * runs, t * runs) for lk, (w, t) in one.items()}
     return CollectiveCost(
         name=c.instruction.name,
         kind=c.kind,
@@ -179,8 +255,10 @@ def _cost(
         trips_known=trips is not None,
         in_loop=c.in_loop,
         bytes=full,
-        wire_bytes=ring_wire_bytes(c.kind, full, n) * runs,
-        time_s=ring_time(c.kind, full, n, lk) * runs,
+        wire_bytes=sum(w for w, _ in by_link.values()),
+        time_s=sum(t for _, t in by_link.values()),
+        levels=levels,
+        by_link=by_link,
     )
 
 
@@ -212,22 +290,26 @@ def summarize(
     peak_flops: float,
     tokens_per_step: float,
     accum_steps: int = 1,
+    flops_executed_per_step: float | None = None,
 ) -> dict[str, Any]:
-    """Totals per step and bounds. flops_per_step: all devices (analytic); peak_flops: of all
-    devices together; accum_steps: k, to report the loop's traffic per minibatch.
+    """Totals per step and bounds. flops_per_step: useful FLOPs of all devices (analytic);
+    flops_executed_per_step: what the program executes on all devices (HLO dots x trips,
+    remat recompute included; default: the useful ones); peak_flops: of all devices together;
+    accum_steps: k, to report the loop's traffic per minibatch.
 
     Returns {"by_link": {link: {"wire_bytes", "time_s", "count"}}, "by_axes": {"fsdp": {...,
-    "loop_wire_bytes_per_minibatch"}}, "comm_s", "compute_s", "step_s_no_overlap",
-    "step_s_full_overlap", "tokens_per_s": [low, high], "mfu": [low, high],
-    "unknown_trips"}; wire bytes and times are per device.
+    "loop_wire_bytes_per_minibatch"}}, "comm_s", "compute_s" (executed FLOPs at peak),
+    "step_s_no_overlap", "step_s_full_overlap", "tokens_per_s": [low, high], "mfu": [no
+    overlap, full overlap] (useful FLOPs), "flops_per_step", "flops_executed_per_step",
+    "peak_flops", "unknown_trips"}; wire bytes and times are per device.
     """
     by_link = {lk: {"wire_bytes": 0.0, "time_s": 0.0, "count": 0} for lk in platform.LINK_CLASSES}
     by_axes: dict[str, dict[str, float]] = {}
     for c in costs:
-        if c.link is not None:
-            row = by_link.setdefault(c.link, {"wire_bytes": 0.0, "time_s": 0.0, "count": 0})
-            row["wire_bytes"] += c.wire_bytes
-            row["time_s"] += c.time_s
+        for link, (wire, secs) in c.by_link.items():
+            row = by_link.setdefault(link, {"wire_bytes": 0.0, "time_s": 0.0, "count": 0})
+            row["wire_bytes"] += wire
+            row["time_s"] += secs
             row["count"] += 1
         a = by_axes.setdefault(
             _axes_key(c.axes),
@@ -238,6 +320,7 @@ def summarize(
         if c.in_loop:
             a["loop_wire_bytes_per_minibatch"] += c.wire_bytes / max(1, accum_steps)
     comm = sum(r["time_s"] for r in by_link.values())
+    executed = flops_per_step if flops_executed_per_step is None else flops_executed_per_step
     return _bounds(
         {
             "by_link": by_link,
@@ -248,21 +331,25 @@ def summarize(
         flops_per_step,
         peak_flops,
         tokens_per_step,
+        executed,
     )
 
 
-def _bounds(out: dict, flops: float, peak: float, tokens: float) -> dict:
-    compute = flops / peak
+def _bounds(out: dict, flops: float, peak: float, tokens: float, executed: float | None = None):
+    executed = flops if executed is None else executed
+    compute = executed / peak
     comm = out["comm_s"]
     slow, fast = compute + comm, max(compute, comm)
+    useful = flops / peak
     return {
         **out,
         "compute_s": compute,
         "step_s_no_overlap": slow,
         "step_s_full_overlap": fast,
         "tokens_per_s": [tokens / slow, tokens / fast],
-        "mfu": [compute / slow, compute / fast],
+        "mfu": [useful / slow, useful / fast],
         "flops_per_step": flops,
+        "flops_executed_per_step": executed,
         "peak_flops": peak,
         "tokens_per_step": tokens,
     }
@@ -286,18 +373,32 @@ def _extrapolate_rows(rows: Mapping[int, Mapping[str, Mapping[str, float]]], lay
 
 def extrapolate_summary(by_depth: Mapping[int, Mapping[str, Any]], layers: int) -> dict[str, Any]:
     """Summaries at two depths {L1: s1, L2: s2} -> the summary at `layers`: wire bytes, times
-    and counts per link and per axis set extrapolated linearly per layer
-    (`trn_accum.analysis.autotune.extrapolate`), FLOPs and tokens from the deeper one (they are
-    analytic: pass them for the full depth), bounds recomputed."""
+    and counts per link and per axis set and the executed FLOPs extrapolated linearly per layer
+    (`trn_accum.analysis.autotune.extrapolate`), useful FLOPs and tokens from the deeper one
+    (analytic: pass them for the full depth), bounds recomputed."""
     if len(by_depth) != 2:
         raise ValueError(f"extrapolate_summary needs two depths, got {sorted(by_depth)}")
     deep = by_depth[max(by_depth)]
     rows = _extrapolate_rows({d: s["by_link"] for d, s in by_depth.items()}, layers)
     by_link = {lk: rows[lk] for lk in platform.LINK_CLASSES if lk in rows}
+    executed = extrapolate(
+        {d: int(s["flops_executed_per_step"]) for d, s in by_depth.items()}, layers
+    )
     out = {
         "by_link": by_link,
         "by_axes": _extrapolate_rows({d: s["by_axes"] for d, s in by_depth.items()}, layers),
         "comm_s": sum(r["time_s"] for r in by_link.values()),
         "unknown_trips": max(s["unknown_trips"] for s in by_depth.values()),
     }
-    return _bounds(out, deep["flops_per_step"], deep["peak_flops"], deep["tokens_per_step"])
+    return _bounds(
+        out, deep["flops_per_step"], deep["peak_flops"], deep["tokens_per_step"], executed
+    )
+
+
+def trip_counts(hlo: str | HloModule) -> list[int | None]:
+    """The trip count of every `while` loop of a program (None: unknown), sorted: equal lists
+    for the same program at two node counts are what lets one compile stand for another."""
+    from trn_accum.analysis.hlo import parse_hlo
+
+    module = hlo if isinstance(hlo, HloModule) else parse_hlo(hlo)
+    return sorted((w.trip_count for w in module.while_loops()), key=lambda t: (t is None, t or 0))

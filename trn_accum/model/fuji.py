@@ -92,7 +92,7 @@ class ModelConfig:
     remat: str = field(default="none", metadata=_choices(*REMAT_POLICIES))
     attention: str = field(default="plain", metadata=_choices(*ATTENTION_IMPLS))
     attention_block: int = 512  # block size of blockwise / flash attention
-    loss_chunk: int = 0  # tokens per LM-head/cross-entropy chunk; 0 = no chunking
+    loss_chunk: int = 0  # tokens per batch shard per LM-head/cross-entropy chunk; 0 = no chunking
 
 
 # ---------------------------------------------------------------------------------------------
@@ -356,15 +356,32 @@ def apply_rope(x, positions, theta: float, style: str = "interleaved"):
     return out.reshape(x.shape).astype(x.dtype)
 
 
+def _fused_qkv(h, layer, cfg: ModelConfig):
+    """q [B, S, H, Dh], k and v [B, S, KV, Dh] from one grouped projection (AXLearn's
+    `FusedGroupedQKVLinear`, the v3 configs' QKV layer): the weights are laid out per KV head
+    as [D, KV, H / KV + 2, Dh] (the KV head's query heads, then its key, then its value), so a
+    heads-sharded ("model") q and a kv-heads-sharded k / v concatenate without moving data, and
+    the backward pass sums the three input-gradient partials in one einsum before the single
+    tensor-parallel reduction (one instead of three per layer). Query head h uses KV head
+    h // (H / KV), the grouping of `trn_accum.model.attention`. Same parameters and numbers as
+    three separate projections."""
+    b, s, d = h.shape
+    kv, dh = cfg.num_kv_heads, cfg.head_dim
+    g = cfg.num_heads // kv
+    w = jnp.concatenate(
+        [layer["q"].reshape(d, kv, g, dh), layer["k"][:, :, None], layer["v"][:, :, None]], axis=2
+    ).astype(h.dtype)
+    qkv = jnp.einsum("bsd,dkgh->bskgh", h, w)  # [B, S, KV, G + 2, Dh]
+    return qkv[:, :, :, :g].reshape(b, s, kv * g, dh), qkv[:, :, :, g], qkv[:, :, :, g + 1]
+
+
 def _block(x, layer, cfg: ModelConfig):
     """One pre-norm decoder block. x [B, S, D] (compute dtype); layer: one layer of params."""
     dt = x.dtype
     positions = jnp.arange(x.shape[1], dtype=jnp.int32)
 
     h = rms_norm(x, layer["attn_norm"], cfg.norm_eps)
-    q = jnp.einsum("bsd,dhk->bshk", h, layer["q"].astype(dt))
-    k = jnp.einsum("bsd,dhk->bshk", h, layer["k"].astype(dt))
-    v = jnp.einsum("bsd,dhk->bshk", h, layer["v"].astype(dt))
+    q, k, v = _fused_qkv(h, layer, cfg)
     heads = ("batch", "seq", "heads", None)
     q = checkpoint_name(
         shard_activation(apply_rope(q, positions, cfg.rope_theta, cfg.rope), heads), "q_proj"
@@ -379,8 +396,10 @@ def _block(x, layer, cfg: ModelConfig):
     x = shard_activation(x + o, ("batch", "seq", None))
 
     h = rms_norm(x, layer["ffn_norm"], cfg.norm_eps)
-    gate = jnp.einsum("bsd,df->bsf", h, layer["gate"].astype(dt))
-    up = jnp.einsum("bsd,df->bsf", h, layer["up"].astype(dt))
+    # gate and up as one [D, 2, F] projection: one input-gradient partial sum, one reduction
+    w_in = jnp.stack([layer["gate"], layer["up"]], axis=1).astype(dt)
+    gate_up = jnp.einsum("bsd,dtf->bstf", h, w_in)
+    gate, up = gate_up[:, :, 0], gate_up[:, :, 1]
     act = shard_activation(jax.nn.silu(gate) * up, ("batch", "seq", "ffn"))
     x = x + jnp.einsum("bsf,fd->bsd", act, layer["down"].astype(dt))
     return shard_activation(x, ("batch", "seq", None))
@@ -448,7 +467,11 @@ def loss_fn(params, batch, cfg: ModelConfig):
     weight = mask.astype(jnp.float32)
     labels = jnp.where(on, batch["target_labels"], 0)
     hidden = hidden_states(params, batch["input_ids"], cfg)
-    chunk = min(cfg.loss_chunk, labels.size) if cfg.loss_chunk else None
+    # loss_chunk counts tokens per batch shard: a chunk of the global minibatch is loss_chunk x
+    # its shards, so the chunk loop runs (tokens per shard / loss_chunk) times on any mesh and
+    # node count (one compile on 2 nodes then stands for 32; see trn_accum.analysis.steptime)
+    shards = batch_groups(labels.shape[0])
+    chunk = min(cfg.loss_chunk * shards, labels.size) if cfg.loss_chunk else None
     per_token = cross_entropy(
         hidden,
         params["embed"],

@@ -333,15 +333,19 @@ def peak_flops_per_device(platform: str | None = None, lnc: int | None = None) -
 #
 # The three link classes a collective on trn2 can cross, slowest last, with the bandwidth one
 # JAX device gets in one direction when every device of the chip / node communicates at once
-# (what the rings of a sharded training step do) and a per-hop latency. Sources (AWS):
+# (what the rings of a sharded training step do) and a per-hop latency. One convention for all
+# three: a published link figure is the bandwidth of each direction (a ring step sends and
+# receives at once, each at that rate), shared by the devices behind the link; memory is the
+# exception only in what it counts: a byte moved through HBM is read once and written once.
+# Sources (AWS):
 # - Trainium2 architecture (about-neuron/arch/neuron-hardware/trainium2): 2.9 TB/s of HBM per
-#   chip (the trn2 instance table: 46.4 TB/s for 16 chips), 3.5 TB/s of DMA per chip; the
-#   logical cores of one chip exchange data through that memory. Counted as HBM bandwidth, one
-#   read and one write per byte moved, shared by the chip's 8 / LNC devices.
+#   chip (the trn2 instance table: 46.4 TB/s for 16 chips); the logical cores of one chip
+#   exchange data through that memory: one read and one write per byte moved (so /2), shared
+#   by the chip's 8 / LNC devices.
 # - Amazon EC2 Trn2 architecture (about-neuron/arch/neuron-hardware/trn2-arch): 16 chips in a
-#   4x4 2D torus, "Intra-instance NeuronLink-v3 bandwidth" 1,024 GB/s per chip; counted as
-#   both directions together, shared by the chip's devices.
-# - The same table: "EFAv3 bandwidth" 3,200 Gbps per trn2.48xlarge (400 GB/s), counted per
+#   4x4 2D torus, "Intra-instance NeuronLink-v3 bandwidth" 1,024 GB/s per chip, taken per
+#   direction, shared by the chip's devices.
+# - The same table: "EFAv3 bandwidth" 3,200 Gbps per trn2.48xlarge (400 GB/s), taken per
 #   direction, shared by the node's 64 devices (128 / LNC).
 # - Training best practices (training/best-practices): keep tensor parallelism (TP4) within a
 #   chip, FSDP over NeuronLink between chips, EFA between instances: the three classes here.
@@ -370,6 +374,6 @@ def trn2_links(lnc: int = DEFAULT_LNC) -> dict[str, dict[str, float]]:
     per_chip, per_node = devices_per_chip(lnc), devices_per_node(lnc)
     return {
         LINK_CHIP: {"bytes_per_s": TRN2_CHIP_HBM_BYTES_S / 2 / per_chip, "latency_s": 2e-6},
-        LINK_NODE: {"bytes_per_s": TRN2_CHIP_NEURONLINK_BYTES_S / 2 / per_chip, "latency_s": 5e-6},
+        LINK_NODE: {"bytes_per_s": TRN2_CHIP_NEURONLINK_BYTES_S / per_chip, "latency_s": 5e-6},
         LINK_EFA: {"bytes_per_s": TRN2_NODE_EFA_BYTES_S / per_node, "latency_s": 20e-6},
     }

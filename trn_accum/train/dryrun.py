@@ -106,11 +106,9 @@ def run(
         report = _run(cfg, config_path, overrides, devices, nodes, t_start)
     report["substitutions"] = subs
     if step_time:
-        fit = report["fit"]
-        scale = max(1.0, (fit["compiled_total_bytes"] or 0) / fit["analytic_total_bytes"])
         try:
             report["step_time"] = perfmodel.run_in_subprocess(
-                config_path, overrides, report["nodes"], memory_scale=scale
+                config_path, overrides, report["nodes"]
             )
         except perfmodel.StepTimeError as e:
             report["step_time"] = {"error": one_line(e)}

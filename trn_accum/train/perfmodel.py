@@ -39,7 +39,15 @@ import jax
 
 from trn_accum.analysis import recommend as rec
 from trn_accum.analysis import steptime
-from trn_accum.analysis.memory import GIB, fit_by_steps, state_shard_bytes
+from trn_accum.analysis.autotune import extrapolate
+from trn_accum.analysis.hlo import dot_flops
+from trn_accum.analysis.memory import (
+    GIB,
+    compiled_memory,
+    fit_by_steps,
+    footprint,
+    state_shard_bytes,
+)
 from trn_accum.core.sharding import resolve_axes
 from trn_accum.errors import UserError
 from trn_accum.model import fuji
@@ -49,7 +57,7 @@ from trn_accum.train.config import load_config
 
 DEFAULT_DEPTHS = (2, 3)
 EMULATE_NODES = 2
-_HLO: dict[tuple, tuple[Any, float]] = {}  # program key -> (parsed HLO module, compile s)
+_HLO: dict[tuple, tuple[Any, Any, float]] = {}  # program -> (HLO module, footprint, s)
 
 
 def _with(cfg, *, mesh: dict | None = None, k: int | None = None, reduce: str | None = None,
@@ -66,16 +74,21 @@ def _with(cfg, *, mesh: dict | None = None, k: int | None = None, reduce: str | 
 
 
 def _compiled_module(cfg, devices, rows: int):
-    """(parsed HLO, compile seconds) of the train step of `cfg` on `devices`, cached."""
+    """(parsed HLO, compiled footprint bytes per device, compile seconds) of the train step of
+    `cfg` on `devices` with `rows` batch rows, cached (the global batch does not enter the
+    program: one compile serves every node count of the same per-device batch)."""
     from trn_accum.analysis.hlo import parse_hlo
 
     shape = resolve_axes(cfg.mesh.axes(), len(devices))
-    key = (plain_attention(_with(cfg, mesh=shape)), len(devices), rows)
+    c = plain_attention(_with(cfg, mesh=shape))
+    c = dataclasses.replace(c, data=dataclasses.replace(c.data, global_batch=rows))
+    key = (c, len(devices), rows)
     if key not in _HLO:
         t0 = time.perf_counter()
-        mesh = step_lib.make_mesh(key[0], devices)
-        text = step_lib.build_step(key[0], mesh, batch_rows=rows).compiled.as_text()
-        _HLO[key] = (parse_hlo(text), time.perf_counter() - t0)
+        mesh = step_lib.make_mesh(c, devices)
+        compiled = step_lib.build_step(c, mesh, batch_rows=rows).compiled
+        total = footprint(compiled_memory(compiled))
+        _HLO[key] = (parse_hlo(compiled.as_text()), total, time.perf_counter() - t0)
     return _HLO[key]
 
 
@@ -93,7 +106,10 @@ def _state_bytes(cfg, target_shape: dict) -> int:
 def predict(cfg, *, nodes: int, layout: steptime.Layout, devices=None,
             emulate_nodes: int = EMULATE_NODES, depths=DEFAULT_DEPTHS) -> dict:  # fmt: skip
     """The step-time summary of `cfg` (integer accum_steps) on `nodes` nodes, with
-    "depths_compiled" and "compile_s"."""
+    "depths_compiled", "compile_s", "target_mesh", "mesh_shape" (per node), "trips" (the
+    loops' trip counts of the deepest compile) and "memory_bytes" (the compiled footprint per
+    device at full depth: extrapolated per layer, the state shards of the compiled mesh
+    replaced by those of the target mesh)."""
     devices = list(jax.devices() if devices is None else devices)
     e = min(nodes, emulate_nodes)
     per_node = layout.devices_per_node
@@ -111,17 +127,39 @@ def predict(cfg, *, nodes: int, layout: steptime.Layout, devices=None,
     peak = platform.device_peak_flops() * per_node * nodes
     layers = cfg.model.num_layers
     at = sorted(depths) if layers > max(depths) else [layers]
-    by_depth, secs = {}, 0.0
+    by_depth, mem, secs, module = {}, {}, 0.0, None
     for d in at:
-        module, s = _compiled_module(_with(cfg, layers=d), devs, rows)
+        module, total, s = _compiled_module(_with(cfg, layers=d), devs, rows)
         secs += s
+        mem[d] = total
         costs = steptime.collective_costs(module, compiled_shape, target, layout)
+        # weak scaling: every device runs the same per-device program at any node count
+        executed = dot_flops(module)["with_trips"] * per_node * nodes
+        fl_d = step_lib.flops_per_step(_with(cfg, layers=d)) if len(at) == 2 else fl
         by_depth[d] = steptime.summarize(
-            costs, flops_per_step=fl["total"], peak_flops=peak, tokens_per_step=fl["tokens"],
-            accum_steps=k,
+            costs, flops_per_step=fl_d["total"], peak_flops=peak, tokens_per_step=fl["tokens"],
+            accum_steps=k, flops_executed_per_step=executed,
         )  # fmt: skip
-    out = by_depth[layers] if len(at) == 1 else steptime.extrapolate_summary(by_depth, layers)
-    return {**out, "depths_compiled": at, "compile_s": round(secs, 2), "target_mesh": target}
+    if len(at) == 1:
+        out = by_depth[layers]
+    else:
+        out = steptime.extrapolate_summary(by_depth, layers)
+        out = steptime._bounds(
+            out, fl["total"], peak, fl["tokens"], out["flops_executed_per_step"]
+        )  # useful FLOPs of the full depth
+    memory = None
+    if all(v is not None for v in mem.values()):
+        full = mem[layers] if len(at) == 1 else extrapolate(mem, layers)
+        memory = full - _state_bytes(cfg, compiled_shape) + _state_bytes(cfg, target)
+    return {
+        **out,
+        "depths_compiled": at,
+        "compile_s": round(secs, 2),
+        "target_mesh": target,
+        "mesh_shape": resolve_axes(cfg.mesh.axes(), per_node) if nodes > 1 else target,
+        "trips": steptime.trip_counts(module),
+        "memory_bytes": memory,
+    }
 
 
 def fitting_k(cfg, mesh_axes: dict, nodes: int, layout: steptime.Layout) -> dict[str, Any]:
@@ -134,30 +172,35 @@ def fitting_k(cfg, mesh_axes: dict, nodes: int, layout: steptime.Layout) -> dict
     return fit_by_steps(c, per_node, _state_bytes(c, target), nodes, budget)
 
 
-def explore(cfg, *, nodes: int, layout: steptime.Layout, devices=None,
-            meshes=None, k_limit: int = 3, depths=DEFAULT_DEPTHS,
-            emulate_nodes: int = EMULATE_NODES,
-            memory_scale: float = 1.0) -> dict[str, Any]:  # fmt: skip
-    """The config's prediction, every candidate's (fit, summary) and the recommendation.
+SCALE_NODES = (1, 2, 4, 8, 16, 32, 64, 128)
 
-    A candidate fits when its analytic per-device bytes times `memory_scale` are within
-    trainer.memory_budget_gib. The dry-run passes its own measured scale: the config's compiled
-    (XLA:CPU) footprint over its analytic total, when larger than 1, so a candidate is only
-    recommended where the compiled program, not just the lower-bound estimate, would fit."""
+
+def explore(cfg, *, nodes: int, layout: steptime.Layout, devices=None,
+            meshes=None, k_limit: int = 2, depths=DEFAULT_DEPTHS,
+            emulate_nodes: int = EMULATE_NODES,
+            scale_nodes: Sequence[int] = SCALE_NODES) -> dict[str, Any]:  # fmt: skip
+    """The config's prediction, every candidate's (fit, summary), the recommendation and the
+    weak-scaling table of the recommended choice.
+
+    Candidates: every mesh of `meshes` (default `recommend.MESHES`: the model axis 4, 2, 1 with
+    FSDP over the rest of a node, and FSDP over every node) at the config's node count, the
+    `k_limit` smallest k whose analytic bytes fit trainer.memory_budget_gib (a lower bound:
+    nothing below it can fit), both reduce modes. A candidate fits when its own compiled
+    footprint (`predict`'s "memory_bytes": XLA:CPU's, at reduced depth, extrapolated) is
+    within the budget; XLA:CPU widens bf16 temporaries to float32, so this errs towards not
+    fitting. The scale table: the recommended mesh, k and reduce at each node count of
+    `scale_nodes`, the per-node batch of the config (weak scaling)."""
     t0 = time.perf_counter()
     meshes = rec.MESHES if meshes is None else meshes
     kw = dict(layout=layout, devices=devices, depths=depths, emulate_nodes=emulate_nodes)
-    node_counts = sorted({nodes, 1})
-    fits = {(m, n): fitting_k(cfg, axes, n, layout) for m, axes in meshes.items()
-            for n in node_counts}  # fmt: skip
+    fits = {m: fitting_k(cfg, axes, nodes, layout) for m, axes in meshes.items()}
     budget = cfg.trainer.memory_budget_gib * GIB
-    fit_ks = {key: [r["k"] for r in f["table"] if r["bytes"] * memory_scale <= budget]
-              for key, f in fits.items()}  # fmt: skip
+    fit_ks = {(m, nodes): [r["k"] for r in f["table"] if r["bytes"] <= budget]
+              for m, f in fits.items()}  # fmt: skip
     rows, seen = [], set()
     for cand in rec.candidate_grid(fit_ks, k_limit=k_limit):
         target = resolve_axes(meshes[cand.mesh], layout.devices_per_node * cand.nodes)
-        # once = per_minibatch without a data axis to reduce over (core/reduce_once.py); at one
-        # node the meshes may coincide: each program once
+        # once = per_minibatch without a data axis to reduce over (core/reduce_once.py)
         effective = cand.reduce if target["data"] > 1 else "per_minibatch"
         same = (tuple(target.items()), cand.k, effective)
         if same in seen:
@@ -165,9 +208,17 @@ def explore(cfg, *, nodes: int, layout: steptime.Layout, devices=None,
         seen.add(same)
         c = _with(cfg, mesh=meshes[cand.mesh], k=cand.k, reduce=cand.reduce)
         summary = predict(c, nodes=cand.nodes, **kw)
-        rows.append({"candidate": cand, "fits": True, "summary": summary})
+        mem = summary["memory_bytes"]
+        rows.append({"candidate": cand, "fits": mem is None or mem <= budget, "summary": summary})
     own = predict(cfg, nodes=nodes, **kw)
     best = rec.recommend(rows, nodes)
+    shapes = {r["candidate"]: r["summary"]["mesh_shape"] for r in rows}
+    scale = []
+    if best is not None:
+        b = rec.Candidate(**best["candidate"])
+        best["candidate"] = {**best["candidate"], "mesh_shape": shapes[b]}
+        scale = scale_table(_with(cfg, mesh=meshes[b.mesh], k=b.k, reduce=b.reduce), nodes,
+                            scale_nodes, **kw)  # fmt: skip
     return {
         "config": {
             "mesh": cfg.mesh.axes(),
@@ -177,13 +228,45 @@ def explore(cfg, *, nodes: int, layout: steptime.Layout, devices=None,
             "summary": own,
         },  # fmt: skip
         "fit_k": {f"{m} x{n}": ks for (m, n), ks in fit_ks.items()},
-        "memory_scale": memory_scale,
-        "candidates": [{**r, "candidate": dataclasses.asdict(r["candidate"])} for r in rows],
+        "budget_bytes": budget,
+        "candidates": [
+            {
+                **r,
+                "candidate": {
+                    **dataclasses.asdict(r["candidate"]),
+                    "mesh_shape": shapes[r["candidate"]],
+                },
+            }
+            for r in rows
+        ],  # fmt: skip
         "table": rec.format_rows(rows),
         "recommendation": best,
+        "scale": scale,
         "layout": dataclasses.asdict(layout),
         "wall_s": round(time.perf_counter() - t0, 1),
     }
+
+
+def scale_table(cfg, nodes: int, node_counts: Sequence[int], **kw) -> list[dict[str, Any]]:
+    """Weak scaling: `cfg` at each node count with the per-node batch it has at `nodes`
+    (global batch = per-node batch x node count). Counts whose batch does not divide are left
+    out. Rows {nodes, global_batch, step_s_no_overlap, step_s_full_overlap, mfu: [no overlap,
+    full overlap]}; one compile at 1 node and one at `EMULATE_NODES` serve every count."""
+    per_node = cfg.data.global_batch // nodes
+    out = []
+    for n in node_counts:
+        c = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, global_batch=per_node * n))
+        try:
+            s = predict(c, nodes=n, **kw)
+        except (ValueError, UserError):
+            continue
+        out.append({
+            "nodes": n, "global_batch": per_node * n,
+            "step_s_no_overlap": s["step_s_no_overlap"],
+            "step_s_full_overlap": s["step_s_full_overlap"], "mfu": s["mfu"],
+            "efa_wire_bytes": s["by_link"].get(platform.LINK_EFA, {}).get("wire_bytes", 0.0),
+        })  # fmt: skip
+    return out
 
 
 class StepTimeError(UserError):
@@ -198,9 +281,7 @@ def plain_attention(cfg):
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention="plain"))
 
 
-def run_in_subprocess(
-    config_path: str, overrides: Sequence[str], nodes: int, memory_scale: float = 1.0
-) -> dict[str, Any]:
+def run_in_subprocess(config_path: str, overrides: Sequence[str], nodes: int) -> dict[str, Any]:
     """`explore` of the config on trn2 in a fresh process with enough emulated CPU devices."""
     n = platform.devices_per_node() * min(nodes, EMULATE_NODES)
     env = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -210,7 +291,7 @@ def run_in_subprocess(
         "--xla_cpu_enable_concurrency_optimized_scheduler=false"
     ).strip()
     cmd = [sys.executable, "-m", "trn_accum.train.perfmodel", "--config", config_path,
-           "--nodes", str(nodes), "--memory-scale", repr(float(memory_scale))] + [
+           "--nodes", str(nodes)] + [
         a for o in overrides for a in ("--set", o)]  # fmt: skip
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if out.returncode:
@@ -231,7 +312,8 @@ def format_lines(st: dict[str, Any]) -> list[str]:
     lines = [
         f"step-time model on trn2 (collectives of the compiled step, {how}; "
         f"{min(c['nodes'], EMULATE_NODES)} emulated nodes priced as {c['nodes']}, full mesh "
-        f"{s['target_mesh']}; ring algorithms, links in trn_accum/neuron/platform.py):",
+        f"{s['target_mesh']}; hierarchical ring algorithms, links in "
+        "trn_accum/neuron/platform.py):",
         f"  config: mesh {c['mesh']}, k={c['k']}, reduce {c['reduce']}",
         f"  {'link':<6} {'bytes/device/step':>18} {'time s':>9} {'ops':>4}",
     ]
@@ -246,21 +328,30 @@ def format_lines(st: dict[str, Any]) -> list[str]:
             f"{format_bytes(row['loop_wire_bytes_per_minibatch'])} per minibatch in the loop"
         )
     lines += [
-        f"  compute at peak {s['compute_s']:.3f} s, communication {s['comm_s']:.3f} s; step "
-        f"{s['step_s_full_overlap']:.3f} s (full overlap) to {s['step_s_no_overlap']:.3f} s (none)"
-        f"; tokens/s {s['tokens_per_s'][0]:.4g}-{s['tokens_per_s'][1]:.4g}; MFU "
-        f"{s['mfu'][0]:.1%}-{s['mfu'][1]:.1%}",
-        "  candidates (k that fit the budget: analytic bytes x "
-        f"{st.get('memory_scale', 1.0):.2f}, the dry-run's compiled CPU footprint over its "
-        "analytic total; "
+        f"  compute: {s['flops_executed_per_step']:.4g} FLOP executed (HLO dots x trips) of "
+        f"{s['flops_per_step']:.4g} useful, at peak {s['compute_s']:.3f} s; communication "
+        f"{s['comm_s']:.3f} s; step {s['step_s_full_overlap']:.3f} s (full overlap) to "
+        f"{s['step_s_no_overlap']:.3f} s (none); tokens/s {s['tokens_per_s'][0]:.4g}-"
+        f"{s['tokens_per_s'][1]:.4g}; MFU (useful FLOPs) {s['mfu'][0]:.1%}-{s['mfu'][1]:.1%}",
+        "  candidates (k whose analytic bytes fit: "
         + "; ".join(f"{key}: {ks}" for key, ks in st["fit_k"].items())
-        + "); bytes per device per step:",
+        + f"; fits = own compiled XLA:CPU footprint, extrapolated, <= "
+        f"{format_bytes(st['budget_bytes'])}); bytes per device per step:",
         *st["table"],
     ]
     best = st.get("recommendation")
     if best:
         lines.append(f"  recommended at {c['nodes']} node(s): {best['label']}")
         lines += [f"    - {r}" for r in best["reasons"]]
+    if st.get("scale"):
+        lines.append("  weak scaling (the recommended mesh, k, reduce; per-node batch fixed):")
+        lines.append(f"    {'nodes':>5} {'batch':>6} {'step s':>15} {'MFU':>13} {'efa/device':>11}")
+        for r in st["scale"]:
+            lines.append(
+                f"    {r['nodes']:>5} {r['global_batch']:>6} {r['step_s_full_overlap']:>7.3f}-"
+                f"{r['step_s_no_overlap']:<7.3f} {r['mfu'][0]:>6.1%}-{r['mfu'][1]:<6.1%} "
+                f"{format_bytes(r['efa_wire_bytes']):>11}"
+            )
     lines.append(f"  step-time model wall time {st['wall_s']} s")
     return lines
 
@@ -270,14 +361,13 @@ def main(argv=None) -> int:
     p.add_argument("--config", required=True)
     p.add_argument("--set", dest="overrides", action="append", default=[])
     p.add_argument("--nodes", type=int, default=None)
-    p.add_argument("--memory-scale", type=float, default=1.0)
     a = p.parse_args(argv)
     cfg = load_config(a.config, a.overrides)
     nodes = cfg.mesh.nodes if a.nodes is None else a.nodes
     if not isinstance(cfg.trainer.accum_steps, int):
         fits = fitting_k(cfg, cfg.mesh.axes(), nodes, steptime.Layout.trn2())["accum_steps"]
         cfg = _with(cfg, k=fits or 1)
-    report = explore(cfg, nodes=nodes, layout=steptime.Layout.trn2(), memory_scale=a.memory_scale)
+    report = explore(cfg, nodes=nodes, layout=steptime.Layout.trn2())
     print(json.dumps(report, default=str))
     return 0
 
