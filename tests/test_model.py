@@ -468,3 +468,73 @@ def test_fuji_3b_specs_on_a_64_device_trn2_node():
     # exact per-device output of the sharded init (memory_analysis; plus the few bytes of tuple)
     assert 0 <= out["init_output_bytes"] - expected < 1024
     print(f"Fuji 3B float32 params per device (fsdp 16 x model 4): {expected} B")
+
+
+@pytest.mark.parametrize("dtype, rtol", [(jnp.float32, 1e-6), (jnp.bfloat16, 2e-2)])
+def test_fused_projections_equal_separate_ones(dtype, rtol):
+    """The fused grouped QKV and gate/up projections (one input-gradient reduction each under
+    tensor parallelism) against the previous program's separate einsums: outputs and the
+    gradients of the input and of every weight, exact in float32, within bf16 rounding."""
+    cfg = ModelConfig(hidden_dim=32, num_heads=6, num_kv_heads=2, head_dim=8, ffn_dim=48)
+    keys = jax.random.split(jax.random.key(3), 7)
+    d, h, kv, dh, f = 32, 6, 2, 8, 48
+    layer = {
+        "q": jax.random.normal(keys[0], (d, h, dh)),
+        "k": jax.random.normal(keys[1], (d, kv, dh)),
+        "v": jax.random.normal(keys[2], (d, kv, dh)),
+        "gate": jax.random.normal(keys[3], (d, f)),
+        "up": jax.random.normal(keys[4], (d, f)),
+    }
+    x = jax.random.normal(keys[5], (2, 5, d)).astype(dtype)
+    cot = jax.random.normal(keys[6], (2, 5, (h + 2 * kv) * dh + 2 * f))
+
+    def separate(x, layer):
+        q, k, v = (jnp.einsum("bsd,dhk->bshk", x, layer[n].astype(dtype)) for n in "qkv")
+        gate, up = (jnp.einsum("bsd,df->bsf", x, layer[n].astype(dtype)) for n in ("gate", "up"))
+        return q, k, v, gate, up
+
+    def fused(x, layer):
+        return (*fuji._fused_qkv(x, layer, cfg), *fuji._fused_gate_up(x, layer))
+
+    def scalar(fn):
+        def loss(x, layer):
+            outs = [o.reshape(2, 5, -1).astype(jnp.float32) for o in fn(x, layer)]
+            return jnp.sum(jnp.concatenate(outs, axis=-1) * cot)
+
+        return loss
+
+    for a, b in zip(fused(x, layer), separate(x, layer), strict=True):
+        assert a.dtype == b.dtype == dtype
+        np.testing.assert_allclose(np.float32(a), np.float32(b), rtol=rtol, atol=rtol)
+    ga = jax.grad(scalar(fused), argnums=(0, 1))(x, layer)
+    gb = jax.grad(scalar(separate), argnums=(0, 1))(x, layer)
+    for a, b in zip(jax.tree.leaves(ga), jax.tree.leaves(gb), strict=True):
+        scale = float(jnp.max(jnp.abs(np.float32(b))))
+        np.testing.assert_allclose(np.float32(a), np.float32(b), rtol=rtol, atol=rtol * scale)
+
+
+def test_fused_projections_reduce_four_times_a_layer_over_model():
+    """Under tensor parallelism (model 2) the backward pass of one layer reduces activations
+    over "model" 4 times (q/k/v input gradient, o, gate/up input gradient, down), 2 of them in
+    the forward pass: the partitioned program's all-reduces over "model", counted per layer
+    from two depths (bf16 reductions only: the float32 ones are the norms' and the loss's)."""
+    from trn_accum.analysis.collectives import collectives, group_axes
+    from trn_accum.analysis.hlo import parse_hlo
+    from trn_accum.train import step as step_lib
+
+    def count(layers):
+        cfg = load_config("configs/fuji-tiny.toml", [
+            "mesh.data=1", "mesh.fsdp=2", "mesh.model=2", "mesh.rules=trn2",
+            "data.global_batch=4", "trainer.accum_steps=1", "model.layer_loop=unroll",
+            f"model.num_layers={layers}", "model.remat=none"])  # fmt: skip
+        mesh = step_lib.make_mesh(cfg, jax.devices()[:4])
+        module = parse_hlo(step_lib.build_step(cfg, mesh).compiled.as_text())
+        shape = dict(mesh.shape)
+        return sum(
+            c.kind == "all-reduce"
+            and group_axes(c.replica_groups, shape) == ("model",)
+            and c.wire_bytes_source < c.bytes  # a bf16 reduction widened by XLA:CPU
+            for c in collectives(module)
+        )
+
+    assert count(3) - count(2) == 4

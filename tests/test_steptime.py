@@ -274,3 +274,48 @@ def test_explore_tiny_candidates_and_recommendation(monkeypatch):
     lines = perfmodel.format_lines(st)
     assert "  recommended at 2 node(s): hybrid x2 k=2 once" in lines
     assert any(ln.split()[:2] == ["4", "64"] for ln in lines)
+
+
+def test_bf16_collectives_priced_at_the_partitioners_dtype():
+    """XLA:CPU widens bf16 collectives to float32 after partitioning (its all-reduce has no
+    bf16); the model prices what the partitioner emitted: a bf16 all-gather and a bf16 psum
+    of [8, 16] move 256 bytes of result, not 512. A float32 psum keeps its 512."""
+    mesh = jax.make_mesh(tuple(SHAPE.values()), tuple(SHAPE), devices=jax.devices())
+
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P("fsdp"), P()), out_specs=P(),
+                       check_vma=False)  # fmt: skip
+    def body(w, x):
+        full = jax.lax.all_gather(w.astype(jnp.bfloat16), "fsdp", tiled=True)  # bf16 [8, 16]
+        summed = jax.lax.psum(full * x.astype(jnp.bfloat16), "model")  # bf16 [8, 16]
+        return summed.astype(jnp.float32) + jax.lax.psum(x, "data")  # f32 [8, 16]
+
+    w = jax.ShapeDtypeStruct((8, 16), jnp.float32, sharding=NamedSharding(mesh, P("fsdp")))
+    x = jax.ShapeDtypeStruct((8, 16), jnp.float32, sharding=NamedSharding(mesh, P()))
+    text = jax.jit(body).lower(w, x).compile().as_text()
+    costs = steptime.collective_costs(text, SHAPE, layout=LAYOUT)
+    got = sorted((c.kind, c.axes, c.bytes) for c in costs)
+    assert got == [
+        ("all-gather", ("fsdp",), 256),
+        ("all-reduce", ("data",), 512),
+        ("all-reduce", ("model",), 256),
+    ]
+
+
+def test_loss_chunk_loop_trips_do_not_depend_on_the_node_count():
+    """The chunked loss (loss_chunk tokens per batch shard) runs the same loops at 1 and 2
+    "nodes" of 4 devices with the same per-device batch (weak scaling), so one compile prices
+    any node count; the chunk loop is there: 64 tokens per device row / 16 = 4 trips x
+    rows."""
+    from trn_accum.train import perfmodel
+    from trn_accum.train.config import load_config
+
+    layout = steptime.Layout(devices_per_node=4, devices_per_chip=2)
+    trips = {}
+    for nodes in (1, 2):
+        cfg = load_config(
+            "configs/fuji-tiny.toml",
+            ["trainer.accum_steps=2", "model.loss_chunk=16", f"data.global_batch={16 * nodes}"],
+        )
+        trips[nodes] = perfmodel.predict(cfg, nodes=nodes, layout=layout)["trips"]  # fmt: skip
+    assert trips[1] == trips[2]
+    assert 4 * 2 in trips[2]  # 2 rows per device per minibatch x 64 tokens / 16

@@ -188,8 +188,9 @@ def explore(cfg, *, nodes: int, layout: steptime.Layout, devices=None,
     nothing below it can fit), both reduce modes. A candidate fits when its own compiled
     footprint (`predict`'s "memory_bytes": XLA:CPU's, at reduced depth, extrapolated) is
     within the budget; XLA:CPU widens bf16 temporaries to float32, so this errs towards not
-    fitting. The scale table: the recommended mesh, k and reduce at each node count of
-    `scale_nodes`, the per-node batch of the config (weak scaling)."""
+    fitting; when no candidate fits that way, the analytic estimate decides (`fit_rule`). The
+    scale table: the recommended mesh, k and reduce at each node count of `scale_nodes`, the
+    per-node batch of the config (weak scaling)."""
     t0 = time.perf_counter()
     meshes = rec.MESHES if meshes is None else meshes
     kw = dict(layout=layout, devices=devices, depths=depths, emulate_nodes=emulate_nodes)
@@ -209,7 +210,13 @@ def explore(cfg, *, nodes: int, layout: steptime.Layout, devices=None,
         c = _with(cfg, mesh=meshes[cand.mesh], k=cand.k, reduce=cand.reduce)
         summary = predict(c, nodes=cand.nodes, **kw)
         mem = summary["memory_bytes"]
-        rows.append({"candidate": cand, "fits": mem is None or mem <= budget, "summary": summary})
+        rows.append({"candidate": cand, "fits_compiled": mem is None or mem <= budget,
+                     "summary": summary})  # fmt: skip
+    # fit: the compiled footprint (an upper bound: XLA:CPU widens bf16 temporaries) where any
+    # candidate meets it, else the analytic estimate every row already meets (a lower bound)
+    fit_rule = "compiled" if any(r["fits_compiled"] for r in rows) else "analytic"
+    for r in rows:
+        r["fits"] = r["fits_compiled"] if fit_rule == "compiled" else True
     own = predict(cfg, nodes=nodes, **kw)
     best = rec.recommend(rows, nodes)
     shapes = {r["candidate"]: r["summary"]["mesh_shape"] for r in rows}
@@ -229,6 +236,7 @@ def explore(cfg, *, nodes: int, layout: steptime.Layout, devices=None,
         },  # fmt: skip
         "fit_k": {f"{m} x{n}": ks for (m, n), ks in fit_ks.items()},
         "budget_bytes": budget,
+        "fit_rule": fit_rule,
         "candidates": [
             {
                 **r,
@@ -335,8 +343,14 @@ def format_lines(st: dict[str, Any]) -> list[str]:
         f"{s['tokens_per_s'][1]:.4g}; MFU (useful FLOPs) {s['mfu'][0]:.1%}-{s['mfu'][1]:.1%}",
         "  candidates (k whose analytic bytes fit: "
         + "; ".join(f"{key}: {ks}" for key, ks in st["fit_k"].items())
-        + f"; fits = own compiled XLA:CPU footprint, extrapolated, <= "
-        f"{format_bytes(st['budget_bytes'])}); bytes per device per step:",
+        + (
+            f"; fits = own compiled XLA:CPU footprint, extrapolated, <= "
+            f"{format_bytes(st['budget_bytes'])}"
+            if st["fit_rule"] == "compiled"
+            else "; no candidate's XLA:CPU footprint (bf16 temporaries widened to float32) fits "
+            f"{format_bytes(st['budget_bytes'])}: fit = the analytic estimate, a lower bound"
+        )
+        + "); bytes per device per step:",
         *st["table"],
     ]
     best = st.get("recommendation")
