@@ -51,6 +51,24 @@ KERNEL_MODULES = (
 )
 LSE_TILE = 128  # the kernels' softmax-statistics tile (nl.tile_size.pmax): queries per row
 MAX_HEAD_DIM = 128
+BWD_KEY_TILE = 512  # attention_bwd tiles keys by min(512, seqlen_k) (nkilib core/attention/)
+
+
+def bwd_key_tile(seqlen_k: int) -> int:
+    """The backward's key tile: min(512, seqlen_k); seqlen_k must be a multiple of it."""
+    return min(BWD_KEY_TILE, seqlen_k)
+
+
+def padded_seq_len(s: int) -> int:
+    """S padded to what both kernels accept: a multiple of 128 up to 512, then of 512.
+
+    The forward under cache_softmax needs S % 128 == 0; the backward tiles keys by
+    min(512, S) and needs S % tile == 0, so 640 -> 1024 and 1152 -> 1536. Cost: attention
+    FLOPs grow by about (Sp / S)^2 (causal), at most (1024 / 513)^2 = 3.98x at S=513 and
+    under 1.2x from S = 5632 up; S = 8192 (Fuji 3B) pads nothing.
+    """
+    sp = -(-s // LSE_TILE) * LSE_TILE
+    return sp if sp <= BWD_KEY_TILE else -(-s // BWD_KEY_TILE) * BWD_KEY_TILE
 
 
 def _load_from(module: str, fwd: str, bwd: str) -> dict:
@@ -173,6 +191,8 @@ def _ref_attention_bwd(
     layout error in either changes the gradients."""
     assert use_causal_mask and sinks_ref is None, "stand-in: causal, no sinks"
     b, h, d, s = q_ref.shape
+    tile = bwd_key_tile(k_ref.shape[-1])
+    assert k_ref.shape[-1] % tile == 0, f"seqlen_k {k_ref.shape[-1]} % key tile {tile} != 0"
     kvh = k_ref.shape[1]
     g = h // kvh
     scale = softmax_scale or d**-0.5
@@ -247,8 +267,8 @@ def nki_flash_attention(q, k, v, *, fwd, bwd, lnc: int | None = None, softmax_sc
       -neg_max - log(recip) as (B, H, 128, Sp / 128); returns dq (B, H, Dh, Sp), dk/dv
       (B, KV, Dh, Sp).
 
-    Sp is S padded on the right to a multiple of 128 (causal masking hides the padding from
-    every real query). Kernel IO shares q's dtype (the softmax statistics stay float32).
+    Sp = `padded_seq_len(S)` on the right (128s up to 512, then 512s; causal masking hides the
+    padding from every real query). Kernel IO shares q's dtype (softmax statistics: float32).
     """
     b, s, h, dh = q.shape
     kvh = k.shape[2]
@@ -259,7 +279,7 @@ def nki_flash_attention(q, k, v, *, fwd, bwd, lnc: int | None = None, softmax_sc
         )
     lnc = platform.lnc_setting() if lnc is None else platform.check_lnc(lnc)
     scale = dh**-0.5 if softmax_scale is None else float(softmax_scale)
-    sp = -(-s // LSE_TILE) * LSE_TILE
+    sp = padded_seq_len(s)
     dt = q.dtype
 
     def folded(x):  # [B, Sp, N, Dh] -> (B*N, Sp, Dh)
