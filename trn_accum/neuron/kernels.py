@@ -51,6 +51,7 @@ KERNEL_MODULES = (
 )
 LSE_TILE = 128  # the kernels' softmax-statistics tile (nl.tile_size.pmax): queries per row
 MAX_HEAD_DIM = 128
+MAX_FWD_BATCH = 512  # attention_cte: bs (B*H per device) at most 512
 BWD_KEY_TILE = 512  # attention_bwd tiles keys by min(512, seqlen_k) (nkilib core/attention/)
 
 
@@ -148,6 +149,11 @@ def _ref_attention_cte(
     cache_softmax, neg_max and recip (Bq, 128, ceil(S / 128)) float32, query g*128 + p at
     [.., p, g]."""
     assert causal_mask and not unused.get("sliding_window"), "stand-in: causal only"
+    # The kernel's own checks (nkilib core/attention/ attention_cte, per the issue-20 audit):
+    sq = q.shape[1] if tp_q else q.shape[2]
+    assert q.shape[0] <= MAX_FWD_BATCH, f"bs {q.shape[0]} > {MAX_FWD_BATCH} (B*H per device)"
+    assert not cache_softmax or sq % LSE_TILE == 0, f"cache_softmax: S {sq} % {LSE_TILE} != 0"
+    assert q.shape[0] % k.shape[0] == 0, f"q batch {q.shape[0]} % kv batch {k.shape[0]} != 0"
     qf = (q if tp_q else q.transpose(0, 2, 1)).astype(jnp.float32)
     kf = (k if tp_k else k.transpose(0, 2, 1)).astype(jnp.float32)
     g = qf.shape[0] // kf.shape[0]
@@ -191,6 +197,10 @@ def _ref_attention_bwd(
     layout error in either changes the gradients."""
     assert use_causal_mask and sinks_ref is None, "stand-in: causal, no sinks"
     b, h, d, s = q_ref.shape
+    dtypes = {x.dtype for x in (q_ref, k_ref, v_ref, o_ref, dy_ref)}
+    assert len(dtypes) == 1, f"q/k/v/o/dy must share a dtype, got {sorted(map(str, dtypes))}"
+    assert o_ref.shape == dy_ref.shape == q_ref.shape, "o and dy must have q's shape"
+    assert lse_ref.shape == (b, h, LSE_TILE, s // LSE_TILE), f"lse shape {lse_ref.shape}"
     tile = bwd_key_tile(k_ref.shape[-1])
     assert k_ref.shape[-1] % tile == 0, f"seqlen_k {k_ref.shape[-1]} % key tile {tile} != 0"
     kvh = k_ref.shape[1]
