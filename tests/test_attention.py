@@ -179,10 +179,32 @@ def test_nki_adapter_with_stand_ins_equals_blockwise(lnc):
     assert kernels["fwd"].grids == [lnc] and kernels["bwd"].grids == [lnc]
 
 
+@pytest.mark.parametrize("s, sp", [(200, 256), (640, 1024), (1152, 1536)])
+def test_nki_adapter_pads_to_what_both_kernels_accept(s, sp):
+    """S=200 pads to 256 (128s up to 512); 640 and 1152 pad to 512s (the backward's key tile),
+    and output and gradients equal plain attention. Without the 512 rule the backward stand-in
+    rejects 640 and 1152."""
+    from trn_accum.model.attention import plain_attention
+
+    assert nki_kernels.padded_seq_len(s) == sp
+    q, k, v, ct = _inputs(b=1, s=s, h=2, kv=1, dh=8, seed=5)
+    kernels = nki_kernels.reference_kernels()
+    fn = functools.partial(nki_flash_attention, fwd=kernels["fwd"], bwd=kernels["bwd"], lnc=1)
+    _assert_close(_out_and_grads(fn, q, k, v, ct), _out_and_grads(plain_attention, q, k, v, ct))
+
+
+def test_backward_stand_in_rejects_a_key_length_off_the_512_tile():
+    b, h, d, s = 1, 1, 8, 640
+    x = jnp.zeros((b, h, d, s), jnp.float32)
+    lse = jnp.zeros((b, h, 128, s // 128), jnp.float32)
+    with pytest.raises(AssertionError, match="seqlen_k 640 % key tile 512"):
+        nki_kernels.reference_kernels()["bwd"](x, x, x, x, x, lse, use_causal_mask=True)
+
+
 def test_reference_fwd_statistics_follow_the_documented_tiles():
     """attention_cte's cached softmax statistics: query g*128 + p at [..., p, g]; -max and 1/sum
     of the scaled causal scores, so -neg_max - log(recip) is the log-sum-exp."""
-    n, s, d = 3, 200, 8
+    n, s, d = 3, 256, 8  # cache_softmax needs S % 128 == 0
     q, k, v = jax.random.normal(jax.random.key(7), (3, n, s, d))
     out, neg_max, recip = nki_kernels.reference_kernels()["fwd"](
         q, k.transpose(0, 2, 1), v, scale=0.5, tp_q=True, tp_k=False, cache_softmax=True
@@ -239,3 +261,21 @@ def test_argument_errors():
         attention(q, k, v, impl="blockwise", block_size=0)
     with pytest.raises(ValueError, match="not a multiple"):
         attention(q, k[:, :, :1].repeat(3, axis=2), v[:, :, :1].repeat(3, axis=2))
+
+
+def test_forward_stand_in_rejects_what_the_kernel_rejects():
+    fwd = nki_kernels.reference_kernels()["fwd"]
+    x = jnp.zeros((1, 200, 8), jnp.float32)
+    with pytest.raises(AssertionError, match="cache_softmax: S 200 % 128"):
+        fwd(x, x, x, causal_mask=True, tp_q=True, tp_k=True, cache_softmax=True)
+    big = jnp.zeros((513, 128, 8), jnp.float32)
+    with pytest.raises(AssertionError, match="bs 513 > 512"):
+        fwd(big, big, big, causal_mask=True, tp_q=True, tp_k=True, cache_softmax=True)
+
+
+def test_backward_stand_in_rejects_mixed_dtypes():
+    x = jnp.zeros((1, 1, 8, 128), jnp.float32)
+    lse = jnp.zeros((1, 1, 128, 1), jnp.float32)
+    bf = x.astype(jnp.bfloat16)
+    with pytest.raises(AssertionError, match="must share a dtype"):
+        nki_kernels.reference_kernels()["bwd"](x, x, x, x, bf, lse, use_causal_mask=True)

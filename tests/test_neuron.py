@@ -359,3 +359,45 @@ def test_one_lnc_setting_drives_compiler_and_runtime(monkeypatch):
     assert neuron.with_cc_lnc("-O1 --lnc=1 --lnc 1", 2) == "-O1 --lnc=2 --lnc 2"
     with pytest.raises(ValueError, match="--lnc=1 disagrees with lnc=2"):
         neuron_env(2, extra_cc_flags=["--lnc=1"])
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        "--lnc=1",
+        "--lnc 1",
+        "--logical-nc-config=1",
+        "--logical-nc-config 1",
+        "-lnc=1",
+        "-lnc 1",
+        "-O1 --logical-nc-config=1 --target=trn2",
+    ],
+)
+def test_every_lnc_flag_spelling_is_read_and_rewritten(flags):
+    assert neuron.cc_flags_lnc(flags) == "1"
+    rewritten = neuron.with_cc_lnc(flags, 2)
+    assert neuron.cc_flags_lnc(rewritten) == "2"
+    assert rewritten.replace("2", "1", 1) == flags  # only the value changed
+    # The compiler flag beside a disagreeing runtime variable is caught, whatever the spelling.
+    env = {"NEURON_LOGICAL_NC_CONFIG": "2", "NEURON_CC_FLAGS": flags}
+    with pytest.raises(
+        ValueError, match="NEURON_LOGICAL_NC_CONFIG=2 but NEURON_CC_FLAGS has -"
+    ) as e:
+        neuron.lnc_setting(env)
+    written = flags if not flags.startswith("-O1") else "--logical-nc-config=1"
+    assert f"NEURON_CC_FLAGS has {written}:" in str(e.value)  # named as the user wrote it
+    assert neuron.lnc_setting({"NEURON_CC_FLAGS": flags}) == 1
+
+
+def test_lnc_flag_lookalikes_are_not_read():
+    assert neuron.cc_flags_lnc("--lnc-extra=1 --xlnc=1 -lncx 1") is None
+    assert neuron.with_cc_lnc("--model-type=transformer", 1) == "--model-type=transformer"
+
+
+def test_peak_flops_reads_the_one_lnc_setting(monkeypatch):
+    monkeypatch.delenv("NEURON_LOGICAL_NC_CONFIG", raising=False)
+    monkeypatch.setenv("NEURON_CC_FLAGS", "--logical-nc-config=1")
+    assert peak_flops_per_device("neuron") == 83.375e12  # the compiler flag alone sets LNC=1
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "2")
+    with pytest.raises(ValueError, match="must use the same logical NeuronCore size"):
+        peak_flops_per_device("neuron")

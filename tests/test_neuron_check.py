@@ -89,3 +89,12 @@ def test_row_that_raises_fails_with_one_line(monkeypatch, capsys):
     code, out = _run_rows(monkeypatch, capsys, {"blockwise", "psum"})
     line = next(x for x in out.splitlines() if "blockwise" in x and x.startswith("FAIL"))
     assert code == 1 and "RuntimeError: compiler said no" in line and "second line" not in out
+
+
+def test_lnc_row_reads_the_documented_long_spelling(monkeypatch, capsys):
+    monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "2")
+    monkeypatch.setenv("NEURON_CC_FLAGS", "--target=trn2 --logical-nc-config=1")
+    code, out = _run_rows(monkeypatch, capsys, {"lnc"})
+    assert code == 1
+    lnc = next(line for line in out.splitlines() if "  lnc  " in line)
+    assert lnc.startswith("FAIL") and "--logical-nc-config=1" in lnc

@@ -51,6 +51,25 @@ KERNEL_MODULES = (
 )
 LSE_TILE = 128  # the kernels' softmax-statistics tile (nl.tile_size.pmax): queries per row
 MAX_HEAD_DIM = 128
+MAX_FWD_BATCH = 512  # attention_cte: bs (B*H per device) at most 512
+BWD_KEY_TILE = 512  # attention_bwd tiles keys by min(512, seqlen_k) (nkilib core/attention/)
+
+
+def bwd_key_tile(seqlen_k: int) -> int:
+    """The backward's key tile: min(512, seqlen_k); seqlen_k must be a multiple of it."""
+    return min(BWD_KEY_TILE, seqlen_k)
+
+
+def padded_seq_len(s: int) -> int:
+    """S padded to what both kernels accept: a multiple of 128 up to 512, then of 512.
+
+    The forward under cache_softmax needs S % 128 == 0; the backward tiles keys by
+    min(512, S) and needs S % tile == 0, so 640 -> 1024 and 1152 -> 1536. Cost: attention
+    FLOPs grow by about (Sp / S)^2 (causal), at most (1024 / 513)^2 = 3.98x at S=513 and
+    under 1.2x from S = 5632 up; S = 8192 (Fuji 3B) pads nothing.
+    """
+    sp = -(-s // LSE_TILE) * LSE_TILE
+    return sp if sp <= BWD_KEY_TILE else -(-s // BWD_KEY_TILE) * BWD_KEY_TILE
 
 
 def _load_from(module: str, fwd: str, bwd: str) -> dict:
@@ -130,6 +149,11 @@ def _ref_attention_cte(
     cache_softmax, neg_max and recip (Bq, 128, ceil(S / 128)) float32, query g*128 + p at
     [.., p, g]."""
     assert causal_mask and not unused.get("sliding_window"), "stand-in: causal only"
+    # The kernel's own checks (nkilib core/attention/ attention_cte, per the issue-20 audit):
+    sq = q.shape[1] if tp_q else q.shape[2]
+    assert q.shape[0] <= MAX_FWD_BATCH, f"bs {q.shape[0]} > {MAX_FWD_BATCH} (B*H per device)"
+    assert not cache_softmax or sq % LSE_TILE == 0, f"cache_softmax: S {sq} % {LSE_TILE} != 0"
+    assert q.shape[0] % k.shape[0] == 0, f"q batch {q.shape[0]} % kv batch {k.shape[0]} != 0"
     qf = (q if tp_q else q.transpose(0, 2, 1)).astype(jnp.float32)
     kf = (k if tp_k else k.transpose(0, 2, 1)).astype(jnp.float32)
     g = qf.shape[0] // kf.shape[0]
@@ -173,6 +197,12 @@ def _ref_attention_bwd(
     layout error in either changes the gradients."""
     assert use_causal_mask and sinks_ref is None, "stand-in: causal, no sinks"
     b, h, d, s = q_ref.shape
+    dtypes = {x.dtype for x in (q_ref, k_ref, v_ref, o_ref, dy_ref)}
+    assert len(dtypes) == 1, f"q/k/v/o/dy must share a dtype, got {sorted(map(str, dtypes))}"
+    assert o_ref.shape == dy_ref.shape == q_ref.shape, "o and dy must have q's shape"
+    assert lse_ref.shape == (b, h, LSE_TILE, s // LSE_TILE), f"lse shape {lse_ref.shape}"
+    tile = bwd_key_tile(k_ref.shape[-1])
+    assert k_ref.shape[-1] % tile == 0, f"seqlen_k {k_ref.shape[-1]} % key tile {tile} != 0"
     kvh = k_ref.shape[1]
     g = h // kvh
     scale = softmax_scale or d**-0.5
@@ -247,8 +277,8 @@ def nki_flash_attention(q, k, v, *, fwd, bwd, lnc: int | None = None, softmax_sc
       -neg_max - log(recip) as (B, H, 128, Sp / 128); returns dq (B, H, Dh, Sp), dk/dv
       (B, KV, Dh, Sp).
 
-    Sp is S padded on the right to a multiple of 128 (causal masking hides the padding from
-    every real query). Kernel IO shares q's dtype (the softmax statistics stay float32).
+    Sp = `padded_seq_len(S)` on the right (128s up to 512, then 512s; causal masking hides the
+    padding from every real query). Kernel IO shares q's dtype (softmax statistics: float32).
     """
     b, s, h, dh = q.shape
     kvh = k.shape[2]
@@ -259,7 +289,7 @@ def nki_flash_attention(q, k, v, *, fwd, bwd, lnc: int | None = None, softmax_sc
         )
     lnc = platform.lnc_setting() if lnc is None else platform.check_lnc(lnc)
     scale = dh**-0.5 if softmax_scale is None else float(softmax_scale)
-    sp = -(-s // LSE_TILE) * LSE_TILE
+    sp = padded_seq_len(s)
     dt = q.dtype
 
     def folded(x):  # [B, Sp, N, Dh] -> (B*N, Sp, Dh)

@@ -194,14 +194,17 @@ def neuron_env(
     return env
 
 
-_LNC_FLAG = re.compile(r"(?:^|\s)--lnc(?:=|\s+)(\S+)")
+# Every spelling of the compiler's LNC flag, with `=` or a space: ``--lnc``,
+# ``--logical-nc-config`` and ``-lnc`` (neuronx-cc command-line reference documents
+# ``--logical-nc-config <n>`` / ``-lnc <n>``; ``--lnc`` is the short form the tools accept).
+_LNC_FLAG = re.compile(r"(?:^|(?<=\s))(?:--lnc|--logical-nc-config|-lnc)(?:=|\s+)(\S+)")
 
 
 def cc_flags_lnc(flags: str) -> str | None:
-    """The value of an explicit ``--lnc`` in a NEURON_CC_FLAGS string (last one wins), or None.
+    """The value of an explicit LNC flag in a NEURON_CC_FLAGS string (last one wins), or None.
 
-    neuronx-cc takes ``--lnc`` when it is called directly (neuronx-cc command-line reference;
-    a bad value is compiler error NCC_EARG001); through the framework the runtime's
+    Any of ``--lnc``, ``--logical-nc-config``, ``-lnc``, with ``=`` or a space (`_LNC_FLAG`).
+    A bad value is compiler error NCC_EARG001; through the framework the runtime's
     ``NEURON_LOGICAL_NC_CONFIG`` decides, and the two must agree.
     """
     found = _LNC_FLAG.findall(flags or "")
@@ -209,8 +212,13 @@ def cc_flags_lnc(flags: str) -> str | None:
 
 
 def with_cc_lnc(flags: str, lnc: int) -> str:
-    """`flags` with every explicit ``--lnc`` set to `lnc` (flags without one are unchanged)."""
-    return _LNC_FLAG.sub(lambda m: m.group(0).replace(m.group(1), str(lnc)), flags)
+    """`flags` with every explicit LNC flag (any spelling) set to `lnc`; others unchanged."""
+
+    def _set(m: re.Match) -> str:
+        start = m.start(1) - m.start(0)
+        return m.group(0)[:start] + str(lnc)
+
+    return _LNC_FLAG.sub(_set, flags)
 
 
 def lnc_setting(environ: Mapping[str, str] | None = None) -> int:
@@ -225,8 +233,9 @@ def lnc_setting(environ: Mapping[str, str] | None = None) -> int:
     runtime = (env.get("NEURON_LOGICAL_NC_CONFIG") or "").strip()
     compiler = cc_flags_lnc(env.get("NEURON_CC_FLAGS", ""))
     if runtime and compiler is not None and runtime != compiler:
+        written = list(_LNC_FLAG.finditer(env.get("NEURON_CC_FLAGS", "")))[-1].group(0).strip()
         raise ValueError(
-            f"NEURON_LOGICAL_NC_CONFIG={runtime} but NEURON_CC_FLAGS has --lnc={compiler}: the "
+            f"NEURON_LOGICAL_NC_CONFIG={runtime} but NEURON_CC_FLAGS has {written}: the "
             "compiler and the runtime must use the same logical NeuronCore size; set one of "
             "them (trn-accum neuron-env sets both from NEURON_LOGICAL_NC_CONFIG)"
         )
@@ -234,7 +243,7 @@ def lnc_setting(environ: Mapping[str, str] | None = None) -> int:
     try:
         return check_lnc(value)
     except ValueError:
-        source = "NEURON_LOGICAL_NC_CONFIG" if runtime else "--lnc in NEURON_CC_FLAGS"
+        source = "NEURON_LOGICAL_NC_CONFIG" if runtime else "the LNC flag in NEURON_CC_FLAGS"
         raise ValueError(
             f"{source}={value}: must be 1 or 2 (logical NeuronCore size on trn2)"
         ) from None
@@ -319,13 +328,13 @@ def configure_prng(platform: str | None = None) -> str:
 def peak_flops_per_device(platform: str | None = None, lnc: int | None = None) -> float | None:
     """Dense BF16 peak FLOP/s of one JAX device (`device_peak_flops`), or None when unknown
     (CPU, GPU, ...). `platform` None = ``jax.default_backend()`` (initialises JAX's backends);
-    "neuron" or "trn2" count; `lnc` None = ``NEURON_LOGICAL_NC_CONFIG``, else 2."""
+    "neuron" or "trn2" count; `lnc` None = `lnc_setting()` (the one reader of the LNC)."""
     if platform is None:
         platform = current_platform()
     if platform.lower() not in ("neuron", "trn2"):
         return None
     if lnc is None:
-        lnc = os.environ.get("NEURON_LOGICAL_NC_CONFIG") or DEFAULT_LNC
+        lnc = lnc_setting()
     return device_peak_flops(lnc)
 
 
