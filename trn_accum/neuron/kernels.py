@@ -52,7 +52,11 @@ KERNEL_MODULES = (
 LSE_TILE = 128  # the kernels' softmax-statistics tile (nl.tile_size.pmax): queries per row
 MAX_HEAD_DIM = 128
 MAX_FWD_BATCH = 512  # attention_cte: bs (B*H per device) at most 512
-BWD_KEY_TILE = 512  # attention_bwd tiles keys by min(512, seqlen_k) (nkilib core/attention/)
+# attention_bwd tiles keys by min(nl.tile_size.psum_fmax = 512, seqlen_k) and asserts seqlen_k %
+# tile == 0 (aws-neuron/nki-library src/nkilib_src/nkilib/core/attention/attention_bwd.py,
+# `setup_config`: `k_seq_tile_size = min(k_seq_tile_size, seqlen_k)`, "Key sequence length
+# should be multiple of ...")
+BWD_KEY_TILE = 512
 
 
 def bwd_key_tile(seqlen_k: int) -> int:
@@ -149,7 +153,8 @@ def _ref_attention_cte(
     cache_softmax, neg_max and recip (Bq, 128, ceil(S / 128)) float32, query g*128 + p at
     [.., p, g]."""
     assert causal_mask and not unused.get("sliding_window"), "stand-in: causal only"
-    # The kernel's own checks (nkilib core/attention/ attention_cte, per the issue-20 audit):
+    # The kernel's own checks (aws-neuron/nki-library src/nkilib_src/nkilib/core/attention/
+    # attention_cte.py, its input validation):
     sq = q.shape[1] if tp_q else q.shape[2]
     assert q.shape[0] <= MAX_FWD_BATCH, f"bs {q.shape[0]} > {MAX_FWD_BATCH} (B*H per device)"
     assert not cache_softmax or sq % LSE_TILE == 0, f"cache_softmax: S {sq} % {LSE_TILE} != 0"
@@ -197,6 +202,11 @@ def _ref_attention_bwd(
     layout error in either changes the gradients."""
     assert use_causal_mask and sinks_ref is None, "stand-in: causal, no sinks"
     b, h, d, s = q_ref.shape
+    # The kernel's `validate_inputs` (nki-library .../core/attention/attention_bwd.py): heads a
+    # multiple of KV heads, k/v/o/dy/lse shapes, causal => seqlen_q == seqlen_k, one dtype
+    assert h % k_ref.shape[1] == 0, f"query heads {h} not a multiple of KV heads {k_ref.shape[1]}"
+    assert k_ref.shape == v_ref.shape == (b, k_ref.shape[1], d, k_ref.shape[-1]), "k/v shape"
+    assert not use_causal_mask or k_ref.shape[-1] == s, f"causal: seqlen_q {s} != seqlen_k"
     dtypes = {x.dtype for x in (q_ref, k_ref, v_ref, o_ref, dy_ref)}
     assert len(dtypes) == 1, f"q/k/v/o/dy must share a dtype, got {sorted(map(str, dtypes))}"
     assert o_ref.shape == dy_ref.shape == q_ref.shape, "o and dy must have q's shape"

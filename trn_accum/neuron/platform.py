@@ -195,8 +195,9 @@ def neuron_env(
 
 
 # Every spelling of the compiler's LNC flag, with `=` or a space: ``--lnc``,
-# ``--logical-nc-config`` and ``-lnc`` (neuronx-cc command-line reference documents
-# ``--logical-nc-config <n>`` / ``-lnc <n>``; ``--lnc`` is the short form the tools accept).
+# ``--logical-nc-config`` and ``-lnc`` (the neuronx-cc command-line reference documents
+# ``--logical-nc-config <n>`` / ``-lnc <n>``; ``--lnc`` is the spelling this package wrote
+# before and that users' NEURON_CC_FLAGS may still carry, so it is read and rewritten too).
 _LNC_FLAG = re.compile(r"(?:^|(?<=\s))(?:--lnc|--logical-nc-config|-lnc)(?:=|\s+)(\S+)")
 
 
