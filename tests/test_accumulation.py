@@ -525,3 +525,40 @@ def test_reduce_once_keys_and_errors():
     np.testing.assert_array_equal(noise, aux2["noise"])
     with pytest.raises(ValueError, match="reduce='twice'"):
         accumulate_gradients(loss_fn, steps=2, reduce="twice")
+
+
+# ----------------------------------------------------------------------------- issue 21
+
+
+def _number_aux_loss(params, batch):
+    """The MLP loss with aux leaves that are a Python int, a Python float, a NumPy scalar."""
+    loss, _ = make_loss()(params, batch)
+    return loss, {"n": 1, "m": 2.0, "z": np.float32(3)}
+
+
+@pytest.mark.parametrize("k", [1, 4])
+@pytest.mark.parametrize("loop", ["scan", "unroll"])
+@pytest.mark.parametrize("reduce", ["per_minibatch", "once"])
+def test_python_number_aux_leaves(k, loop, reduce):
+    """Python numbers and NumPy scalars as aux leaves reduce like 0-d arrays: "mean" (the
+    default) and "max" give the full batch's value, "sum" adds one per loss_fn call: k calls,
+    or k × 2 under reduce="once" (one per device along the manual data axis of size 2)."""
+    mesh_name = "data2_fsdp4"
+    _, spec, pspecs = MESHES[mesh_name]
+    mesh, params, batch = place(mesh_name, *make_inputs(k))
+    ref = jax.jit(jax.value_and_grad(_number_aux_loss, has_aux=True))(params, batch)
+    for red, factor in (
+        (None, 1),
+        ({"n": "sum", "m": "mean", "z": "max"}, {"n": k * (2 if reduce == "once" else 1)}),
+    ):
+        fn = accumulate_gradients(
+            _number_aux_loss, steps=k, mesh=mesh, batch_spec=spec, param_specs=pspecs,
+            weight_fn=weight_fn, has_aux=True, loop=loop, reduce=reduce,
+            aux_reduction=red or {"n": None, "m": None, "z": None},
+        )  # fmt: skip
+        (loss, aux), grads = jax.jit(fn)(params, batch)
+        assert_close((loss, grads), (ref[0][0], ref[1]), rtol=1e-5, scaled_atol=True)
+        scale = factor if isinstance(factor, dict) else {}
+        expected = {n: v * scale.get(n, 1) for n, v in ref[0][1].items()}
+        assert_close(aux, expected)
+        assert {n: np.shape(v) for n, v in aux.items()} == {"n": (), "m": (), "z": ()}
