@@ -562,3 +562,35 @@ def test_python_number_aux_leaves(k, loop, reduce):
         expected = {n: v * scale.get(n, 1) for n, v in ref[0][1].items()}
         assert_close(aux, expected)
         assert {n: np.shape(v) for n, v in aux.items()} == {"n": (), "m": (), "z": ()}
+
+
+@pytest.mark.parametrize("loop", ["scan", "unroll"])
+def test_two_minibatch_keys(loop):
+    """rng_argnum=(2, 4): both keys are folded per minibatch (fold_in(key, i) each), so both
+    differ between minibatches; the argument between them passes through unchanged."""
+    k = 4
+
+    def loss_fn(params, batch, key_a, scale, key_b):
+        rows = batch["x"].shape[0]
+        aux = {"a": jax.random.uniform(key_a, (rows,)), "b": jax.random.uniform(key_b, (rows,))}
+        return scale * jnp.mean(batch["x"] * params), aux
+
+    batch = {"x": jnp.arange(16.0)}
+    fn = accumulate_gradients(loss_fn, steps=k, has_aux=True, rng_argnum=(2, 4), loop=loop)
+    key_a, key_b = jax.random.key(1), jax.random.key(2)
+    (loss, aux), _ = jax.jit(fn)(jnp.float32(1.0), batch, key_a, 2.0, key_b)
+    np.testing.assert_allclose(loss, 2.0 * 7.5)
+    for name, key in (("a", key_a), ("b", key_b)):
+        noise = np.asarray(aux[name])
+        for i in range(k):  # minibatch i (rows i::k) used fold_in(key, i)
+            expected = jax.random.uniform(jax.random.fold_in(key, i), (16 // k,))
+            np.testing.assert_array_equal(noise[i::k], expected)
+        assert len({tuple(noise[i::k].tolist()) for i in range(k)}) == k  # distinct
+    assert not np.array_equal(aux["a"], aux["b"])
+    for bad in ((2, 2), (2, 1), ()):
+        with pytest.raises(ValueError, match="tuple of distinct"):
+            accumulate_gradients(loss_fn, steps=k, rng_argnum=bad)
+    with pytest.raises(ValueError, match="rng_argnum=5 but grad_fn got 5"):
+        accumulate_gradients(loss_fn, steps=k, has_aux=True, rng_argnum=(2, 5))(
+            jnp.float32(1.0), batch, key_a, 2.0, key_b
+        )
