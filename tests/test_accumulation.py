@@ -594,3 +594,33 @@ def test_two_minibatch_keys(loop):
         accumulate_gradients(loss_fn, steps=k, has_aux=True, rng_argnum=(2, 5))(
             jnp.float32(1.0), batch, key_a, 2.0, key_b
         )
+
+
+@pytest.mark.parametrize("loop", ["scan", "unroll"])
+def test_equal_weights_all_padding_is_the_full_batch(loop):
+    """weight_fn=None: every w_i is 1, so Σ w_i = k is never 0 and there is nothing for a
+    zero-total-weight guard to act on; an all-padding batch gives what the full batch gives
+    (this masked mean's own 0/0 = NaN, not inf), and the explicit weight_fn (Σ w_i = 0) gives
+    exactly 0. A loss that guards its own division gives 0 under both, like the full batch."""
+    params, batch = make_inputs(4)
+    batch["mask"][:] = 0.0
+    opts = dict(steps=4, has_aux=True, aux_reduction=AUX_REDUCTION, loop=loop)
+
+    def guarded(params, batch):
+        _, aux = make_loss()(params, batch)  # per_example × row tokens = Σ_row nll·mask
+        total = jnp.sum(aux["per_example"] * batch["mask"].sum(-1))
+        return total / jnp.maximum(batch["mask"].sum(), 1.0), aux["tokens"]
+
+    ref = jax.jit(jax.value_and_grad(make_loss(), has_aux=True))(params, batch)
+    (loss, aux), grads = jax.jit(accumulate_gradients(make_loss(), **opts))(params, batch)
+    assert np.isnan(float(ref[0][0])) and np.isnan(float(loss))
+    assert all(np.isnan(g).all() for g in jax.tree.leaves(grads))
+    fn = accumulate_gradients(make_loss(), weight_fn=weight_fn, **opts)
+    (loss, aux), grads = jax.jit(fn)(params, batch)
+    assert float(loss) == 0.0 and all((g == 0).all() for g in jax.tree.leaves(grads))
+    for wf in (None, weight_fn):
+        opts["aux_reduction"] = "sum"
+        out = jax.jit(accumulate_gradients(guarded, weight_fn=wf, **opts))(params, batch)
+        ref = jax.jit(jax.value_and_grad(guarded, has_aux=True))(params, batch)
+        assert float(out[0][0]) == float(ref[0][0]) == 0.0
+        assert_close(out[1], ref[1])
