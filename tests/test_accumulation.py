@@ -525,3 +525,102 @@ def test_reduce_once_keys_and_errors():
     np.testing.assert_array_equal(noise, aux2["noise"])
     with pytest.raises(ValueError, match="reduce='twice'"):
         accumulate_gradients(loss_fn, steps=2, reduce="twice")
+
+
+# ----------------------------------------------------------------------------- issue 21
+
+
+def _number_aux_loss(params, batch):
+    """The MLP loss with aux leaves that are a Python int, a Python float, a NumPy scalar."""
+    loss, _ = make_loss()(params, batch)
+    return loss, {"n": 1, "m": 2.0, "z": np.float32(3)}
+
+
+@pytest.mark.parametrize("k", [1, 4])
+@pytest.mark.parametrize("loop", ["scan", "unroll"])
+@pytest.mark.parametrize("reduce", ["per_minibatch", "once"])
+def test_python_number_aux_leaves(k, loop, reduce):
+    """Python numbers and NumPy scalars as aux leaves reduce like 0-d arrays: "mean" (the
+    default) and "max" give the full batch's value, "sum" adds one per loss_fn call: k calls,
+    or k × 2 under reduce="once" (one per device along the manual data axis of size 2)."""
+    mesh_name = "data2_fsdp4"
+    _, spec, pspecs = MESHES[mesh_name]
+    mesh, params, batch = place(mesh_name, *make_inputs(k))
+    ref = jax.jit(jax.value_and_grad(_number_aux_loss, has_aux=True))(params, batch)
+    for red, factor in (
+        (None, 1),
+        ({"n": "sum", "m": "mean", "z": "max"}, {"n": k * (2 if reduce == "once" else 1)}),
+    ):
+        fn = accumulate_gradients(
+            _number_aux_loss, steps=k, mesh=mesh, batch_spec=spec, param_specs=pspecs,
+            weight_fn=weight_fn, has_aux=True, loop=loop, reduce=reduce,
+            aux_reduction=red or {"n": None, "m": None, "z": None},
+        )  # fmt: skip
+        (loss, aux), grads = jax.jit(fn)(params, batch)
+        assert_close((loss, grads), (ref[0][0], ref[1]), rtol=1e-5, scaled_atol=True)
+        scale = factor if isinstance(factor, dict) else {}
+        expected = {n: v * scale.get(n, 1) for n, v in ref[0][1].items()}
+        assert_close(aux, expected)
+        assert {n: np.shape(v) for n, v in aux.items()} == {"n": (), "m": (), "z": ()}
+
+
+@pytest.mark.parametrize("loop", ["scan", "unroll"])
+def test_two_minibatch_keys(loop):
+    """rng_argnum=(2, 4): both keys are folded per minibatch (fold_in(key, i) each), so both
+    differ between minibatches; the argument between them passes through unchanged."""
+    k = 4
+
+    def loss_fn(params, batch, key_a, scale, key_b):
+        rows = batch["x"].shape[0]
+        aux = {"a": jax.random.uniform(key_a, (rows,)), "b": jax.random.uniform(key_b, (rows,))}
+        return scale * jnp.mean(batch["x"] * params), aux
+
+    batch = {"x": jnp.arange(16.0)}
+    fn = accumulate_gradients(loss_fn, steps=k, has_aux=True, rng_argnum=(2, 4), loop=loop)
+    key_a, key_b = jax.random.key(1), jax.random.key(2)
+    (loss, aux), _ = jax.jit(fn)(jnp.float32(1.0), batch, key_a, 2.0, key_b)
+    np.testing.assert_allclose(loss, 2.0 * 7.5)
+    for name, key in (("a", key_a), ("b", key_b)):
+        noise = np.asarray(aux[name])
+        for i in range(k):  # minibatch i (rows i::k) used fold_in(key, i)
+            expected = jax.random.uniform(jax.random.fold_in(key, i), (16 // k,))
+            np.testing.assert_array_equal(noise[i::k], expected)
+        assert len({tuple(noise[i::k].tolist()) for i in range(k)}) == k  # distinct
+    assert not np.array_equal(aux["a"], aux["b"])
+    for bad in ((2, 2), (2, 1), ()):
+        with pytest.raises(ValueError, match="tuple of distinct"):
+            accumulate_gradients(loss_fn, steps=k, rng_argnum=bad)
+    with pytest.raises(ValueError, match="rng_argnum=5 but grad_fn got 5"):
+        accumulate_gradients(loss_fn, steps=k, has_aux=True, rng_argnum=(2, 5))(
+            jnp.float32(1.0), batch, key_a, 2.0, key_b
+        )
+
+
+@pytest.mark.parametrize("loop", ["scan", "unroll"])
+def test_equal_weights_all_padding_is_the_full_batch(loop):
+    """weight_fn=None: every w_i is 1, so Σ w_i = k is never 0 and there is nothing for a
+    zero-total-weight guard to act on; an all-padding batch gives what the full batch gives
+    (this masked mean's own 0/0 = NaN, not inf), and the explicit weight_fn (Σ w_i = 0) gives
+    exactly 0. A loss that guards its own division gives 0 under both, like the full batch."""
+    params, batch = make_inputs(4)
+    batch["mask"][:] = 0.0
+    opts = dict(steps=4, has_aux=True, aux_reduction=AUX_REDUCTION, loop=loop)
+
+    def guarded(params, batch):
+        _, aux = make_loss()(params, batch)  # per_example × row tokens = Σ_row nll·mask
+        total = jnp.sum(aux["per_example"] * batch["mask"].sum(-1))
+        return total / jnp.maximum(batch["mask"].sum(), 1.0), aux["tokens"]
+
+    ref = jax.jit(jax.value_and_grad(make_loss(), has_aux=True))(params, batch)
+    (loss, aux), grads = jax.jit(accumulate_gradients(make_loss(), **opts))(params, batch)
+    assert np.isnan(float(ref[0][0])) and np.isnan(float(loss))
+    assert all(np.isnan(g).all() for g in jax.tree.leaves(grads))
+    fn = accumulate_gradients(make_loss(), weight_fn=weight_fn, **opts)
+    (loss, aux), grads = jax.jit(fn)(params, batch)
+    assert float(loss) == 0.0 and all((g == 0).all() for g in jax.tree.leaves(grads))
+    for wf in (None, weight_fn):
+        opts["aux_reduction"] = "sum"
+        out = jax.jit(accumulate_gradients(guarded, weight_fn=wf, **opts))(params, batch)
+        ref = jax.jit(jax.value_and_grad(guarded, has_aux=True))(params, batch)
+        assert float(out[0][0]) == float(ref[0][0]) == 0.0
+        assert_close(out[1], ref[1])

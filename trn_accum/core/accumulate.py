@@ -38,6 +38,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from trn_accum.core import reduce_once as once
+from trn_accum.core import rng
 from trn_accum.core import sharding as shd
 from trn_accum.core.accumulator import (
     AUX_REDUCTIONS,
@@ -63,7 +64,7 @@ class _Options:
     weight_fn: Callable | None
     aux_reduction: Any
     has_aux: bool
-    rng_argnum: int | None
+    rng_argnums: tuple[int, ...]
     grad_dtype: Any
     loop: str
     reduce: str
@@ -79,7 +80,7 @@ def accumulate_gradients(
     weight_fn: Callable | None = None,
     aux_reduction: Any = None,
     has_aux: bool = False,
-    rng_argnum: int | None = None,
+    rng_argnum: int | tuple[int, ...] | None = None,
     grad_dtype: Any = None,
     loop: str = "scan",
     reduce: str = "per_minibatch",
@@ -112,8 +113,9 @@ def accumulate_gradients(
         an `AuxReductionWarning` when k > 1 unless named; leaves whose axis 0 follows the batch
         size -> "concat"; a leaf whose axis 0 only equals B/k by coincidence -> ValueError.
       has_aux: `loss_fn` returns `(loss, aux)`.
-      rng_argnum: index into grad_fn's positional arguments (params = 0, batch = 1, so >= 2) of
-        a PRNG key; minibatch i receives `jax.random.fold_in(key, i)`.
+      rng_argnum: index (or tuple of indices) into grad_fn's positional arguments (params = 0,
+        batch = 1, so >= 2) of PRNG keys; minibatch i receives `jax.random.fold_in(key, i)`
+        for each.
       grad_dtype: dtype of the returned gradients; None (default): each parameter's dtype, as
         `jax.value_and_grad` returns. Accumulation is float32 regardless.
       loop: "scan" (fixed-length `lax.scan`: memory of one minibatch) or "unroll" (a Python
@@ -137,13 +139,7 @@ def accumulate_gradients(
             raise ValueError(f"{name}={value!r} must be one of {allowed}")
     if reduce == "once":
         once.check_weight_fn(weight_fn)
-    if rng_argnum is not None and (
-        isinstance(rng_argnum, bool) or not isinstance(rng_argnum, int) or rng_argnum < 2
-    ):
-        raise ValueError(
-            f"rng_argnum={rng_argnum!r} must be an int >= 2: the index of a PRNG key among "
-            "grad_fn(params, batch, *args)'s positional arguments (params = 0, batch = 1)"
-        )
+    argnums = rng.check_rng_argnum(rng_argnum)
     shd.check_batch_spec_has_mesh(batch_spec, mesh)
     if mesh is not None:
         shd.check_auto_mesh(mesh)
@@ -158,7 +154,7 @@ def accumulate_gradients(
     dtype = None if grad_dtype is None else jnp.dtype(grad_dtype)
     # fmt: off
     opts = _Options(loss_fn, steps, mesh, batch_spec, param_specs, weight_fn, aux_reduction,
-                    bool(has_aux), rng_argnum, dtype, loop, reduce)
+                    bool(has_aux), argnums, dtype, loop, reduce)
     # fmt: on
 
     @jax.jit
@@ -179,11 +175,7 @@ def _accumulate(opts: _Options, params: Any, batch: Any, args: tuple) -> Any:
     """validate -> strided split -> fixed-length loop -> exact weighted sum (traced)."""
     k, mesh = opts.steps, opts.mesh
     batch_size, specs = shd.validate_batch(batch, k, mesh=mesh, batch_spec=opts.batch_spec)
-    if opts.rng_argnum is not None and opts.rng_argnum - 2 >= len(args):
-        raise ValueError(
-            f"rng_argnum={opts.rng_argnum} but grad_fn got {2 + len(args)} positional "
-            "arguments (params, batch, *args)"
-        )
+    rng.check_args(opts.rng_argnums, args)
     grad_shardings = shd.leaf_shardings(opts.param_specs, params, mesh, what="param_specs")
     manual = once.manual_axes_for(mesh, specs, grad_shardings) if opts.reduce == "once" else ()
 
@@ -242,15 +234,8 @@ def _loss_with_aux(opts: _Options, p, mb, *a):
 
 
 def _minibatch_args(opts: _Options, args: tuple, i, vary: tuple[str, ...] = ()) -> tuple:
-    """args with the PRNG key (if any) folded with the minibatch index (and, inside the manual
-    region of reduce="once", with the device's index along the manual axes)."""
-    if opts.rng_argnum is None:
-        return args
-    j = opts.rng_argnum - 2
-    key = jax.random.fold_in(args[j], i)
-    if vary:
-        key = jax.random.fold_in(key, jax.lax.axis_index(vary))
-    return args[:j] + (key,) + args[j + 1 :]
+    """args with each PRNG key of `rng_argnum` folded per minibatch (`rng.fold_keys`)."""
+    return rng.fold_keys(opts.rng_argnums, args, i, vary)
 
 
 def _loop(opts, acc, params, batch, args, specs, vary):

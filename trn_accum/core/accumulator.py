@@ -257,7 +257,7 @@ class Accumulator:
     def add(self, carry: Carry, loss_i, aux_i, g_i, w_i) -> tuple[Carry, list]:
         """carry + minibatch i; also returns its per-example ("concat") aux leaves."""
         keep = w_i != 0
-        loss = carry.loss + jnp.where(keep, w_i * loss_i.astype(jnp.float32), 0.0)
+        loss = carry.loss + jnp.where(keep, w_i * jnp.asarray(loss_i).astype(jnp.float32), 0.0)
         weight = carry.weight + jnp.where(keep, w_i, 0.0)
         grads = jax.tree.map(lambda a, g: a + jnp.where(keep, w_i * g, 0.0), carry.grads, g_i)
         new_aux, per_example = [], []
@@ -267,7 +267,7 @@ class Accumulator:
                 per_example.append(x)
                 new_aux.append(None)
                 continue
-            x = x.astype(acc.dtype)
+            x = jnp.asarray(x).astype(acc.dtype)  # Python numbers: 0-d arrays
             if red == "mean":
                 acc = acc + jnp.where(keep, w_i.astype(acc.dtype) * x, 0)
             elif red == "sum":
