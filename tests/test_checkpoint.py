@@ -1,6 +1,7 @@
 """Checkpoints: exact roundtrip, keep-last-K, commit markers, corruption, SIGKILL mid-save,
 restore on another device count, preemption agreement across processes."""
 
+import contextlib
 import json
 import logging
 import os
@@ -123,6 +124,67 @@ def test_keep_last_k_and_interval(tmp_path):
         restored, meta = ck.restore(abstract_state(small))
     assert meta["step"] == 9 and float(restored["x"][0]) == 9.0
     assert sorted(n for n in os.listdir(tmp_path) if n.isdigit()) == ["8", "9"]
+
+
+@contextlib.contextmanager
+def _undeletable(*paths):
+    """`chattr +i` on each path for the block: not even root may rename or delete it."""
+    from tmpfs import _unavailable
+
+    if not shutil.which("chattr"):
+        _unavailable("no chattr: cannot make a step directory undeletable")
+    done = []
+    try:
+        for p in paths:
+            r = subprocess.run(["chattr", "+i", str(p)], capture_output=True, text=True)
+            if r.returncode:
+                _unavailable(f"`chattr +i` failed: {r.stderr.strip()}")
+            done.append(p)
+        yield
+    finally:
+        for p in done:
+            subprocess.run(["chattr", "-i", str(p)], capture_output=True)
+
+
+def test_rotation_never_deletes_the_new_commit(tmp_path, caplog):
+    """keep=2, old steps 15 and 20 undeletable: saving 25 (async) commits it, the failed
+    deletion of 15 is one warning naming the step and its path, no error, and 25 restores;
+    saving 30 warns once about 20 (15 is not retried). Then, deletable again, keep=2 holds."""
+    mesh = _mesh()
+    small = {"x": jax.device_put(jnp.zeros(8), NamedSharding(mesh, P("fsdp")))}
+    with Checkpointer(str(tmp_path), keep=2, async_save=False) as ck:
+        for s in (15, 20):
+            assert ck.save(s, {"x": small["x"] + s}, force=True)
+    caplog.set_level(logging.WARNING, logger="trn_accum.train.checkpoint")
+    with _undeletable(tmp_path / "15", tmp_path / "20"):
+        with Checkpointer(str(tmp_path), keep=2) as ck:
+            assert ck.save(25, {"x": small["x"] + 25}, force=True)
+            ck.wait_until_finished()  # commits 25, then rotation: raises nothing
+            assert ck.background_failure() is None
+            warned = [r.getMessage() for r in caplog.records if "could not be deleted" in r.message]
+            assert len(warned) == 1 and "\n" not in warned[0], warned
+            assert f"old checkpoint step 15 at {tmp_path / '15'} could not be deleted" in warned[0]
+            assert ck.committed_steps() == [20, 25]
+            restored, meta = ck.restore(abstract_state(small))
+            assert meta["step"] == 25 and float(restored["x"][0]) == 25.0
+            assert ck.save(30, {"x": small["x"] + 30}, force=True)
+            ck.wait_until_finished()
+            warned = [r.getMessage() for r in caplog.records if "could not be deleted" in r.message]
+            assert len(warned) == 2 and "old checkpoint step 20 at" in warned[1], warned
+            assert ck.committed_steps() == [25, 30]
+        steps = sorted(int(n) for n in os.listdir(tmp_path) if n.isdigit())
+        assert steps == [15, 20, 25, 30], os.listdir(tmp_path)
+    # deletable again: a new run deletes the old ones and keeps exactly 2 (async saves)
+    with Checkpointer(str(tmp_path), keep=2) as ck:
+        for s in (35, 40, 45):
+            assert ck.save(s, {"x": small["x"] + s}, force=True)
+            assert ck.background_failure() is None
+        ck.wait_until_finished()
+        assert ck.committed_steps() == [40, 45]
+    assert sorted(os.listdir(tmp_path)) == ["40", "45"]
+    with Checkpointer(str(tmp_path)) as ck:
+        restored, meta = ck.restore(abstract_state(small))
+    assert meta["step"] == 45 and float(restored["x"][0]) == 45.0
 
 
 def test_uncommitted_newest_is_skipped_with_warning(tmp_path, caplog):

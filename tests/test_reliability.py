@@ -3,7 +3,8 @@ two trainers started together (one refused in one line, the other's metrics comp
 killed trainer's claim taken over, config drift refused then allowed (and recorded), elastic
 resume 8 devices x k=4 -> 4 devices x k=8 with the same float32 losses, a full disk on a real
 small tmpfs (exit 74, previous checkpoint intact, no partial step directory), garbage bytes in
-the files read back, and a run whose every step is non-finite stopping in one line."""
+the files read back, a run whose every step is non-finite stopping in one line, and old
+checkpoints that cannot be deleted costing the new one nothing."""
 
 import hashlib
 import json
@@ -280,3 +281,32 @@ def test_every_step_non_finite_stops_in_one_line(tmp_path):
     )
     assert [r["skipped_steps"] for r in read_metrics(run)] == [1, 2, 3, 4]
     assert "done" not in r.stdout
+
+
+@pytest.mark.slow
+def test_undeletable_old_checkpoints_do_not_cost_the_new_one(tmp_path):
+    """keep=2 with old steps 1 and 2 that cannot be deleted (`chattr +i`): a resume to 4
+    commits 3 and 4, warns once per old step (naming it and its path), exits 0; the next
+    resume starts from step 4, and with the old steps deletable again keep=2 holds."""
+    from test_checkpoint import _undeletable
+
+    sets = ["checkpoint.every=1", "checkpoint.keep=2", "trainer.log_every=1"]
+    run = tmp_path / "run"
+    ck = run / "checkpoints"
+    r = train(run, *sets, "trainer.steps=2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert sorted(os.listdir(ck)) == ["1", "2"]
+    with _undeletable(ck / "1", ck / "2"):
+        r = train(run, *sets, "trainer.steps=4")
+        assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
+        assert "Traceback" not in r.stderr and "could not be written" not in r.stderr
+        for step in (1, 2):
+            lines = [ln for ln in r.stderr.splitlines() if f"step {step} at {ck / str(step)}" in ln]
+            assert len(lines) == 1 and "could not be deleted" in lines[0], r.stderr[-3000:]
+        assert sorted(os.listdir(ck)) == ["1", "2", "3", "4"]
+    r = train(run, *sets, "trainer.steps=5")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"resumed from {ck / '4'} (step 4)" in r.stdout
+    assert "could not be deleted" not in r.stderr
+    assert sorted(os.listdir(ck)) == ["4", "5"]
+    assert _train_steps_in_file_order(run) == list(range(1, 6))

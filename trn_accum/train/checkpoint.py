@@ -16,6 +16,10 @@ does not count as committed and, when such a step is newer than the newest commi
 a warning naming it (a save that was killed) and resumes from the newest committed step. Nothing
 is ever deleted on restore; an uncommitted directory is replaced when that step is saved again.
 
+Keep-last-K is done here, after a commit: only steps older than the newest `keep` committed ones
+are deleted (renamed to ``<step>.orbax-checkpoint-tmp-deleted`` first); one that cannot be is a
+warning naming it and its path, and the run goes on. A failed save removes only uncommitted dirs.
+
 A committed checkpoint that cannot be restored (corrupt files, or a state structure that does not
 match) raises ``CheckpointError`` with one line naming its path; the trainer exits non-zero. The
 shapes are compared with the checkpoint's array metadata before any array is read, so a config
@@ -40,6 +44,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -187,8 +192,11 @@ class Checkpointer:
                 f"checkpoint directory {self.directory} is not writable ({e.strerror}): choose "
                 f"another run directory or fix its permissions"
             ) from None
+        self.keep = None if keep is None else int(keep)
+        self._async = bool(async_save)
+        self._rotated: set[int] = set()  # steps keep-last-K has deleted (or tried to)
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=None if keep is None else int(keep),
+            max_to_keep=None,  # rotation is ours (_rotate): after a commit, never the newest
             enable_async_checkpointing=bool(async_save),
             create=True,
         )
@@ -215,7 +223,7 @@ class Checkpointer:
         Deliberately not re-read from disk: every process sees the same list, so all of them
         make the same save/skip decision (orbax saves are collective).
         """
-        return sorted(int(s) for s in self._manager.all_steps())
+        return sorted(int(s) for s in self._manager.all_steps() if int(s) not in self._rotated)
 
     def uncommitted(self) -> list[tuple[int, str]]:
         """(step, path) of step-named directories that are not committed, ascending."""
@@ -288,7 +296,29 @@ class Checkpointer:
             raise self._failure(step if ours else previous, e) from None
         if started:
             self._pending = step
+        self._rotate(pending=step if started and self._async else None)  # previous: committed
         return started
+
+    def _rotate(self, pending: int | None = None) -> None:
+        """Keep-last-K once a step has committed: deletes the committed steps older than the
+        newest `keep` (`pending`, a save still running, neither counts nor goes). A failed
+        deletion is one warning naming the step and its path; the run goes on."""
+        if self.keep is None:
+            return
+        steps = [s for s in self.committed_steps() if s != pending]
+        for step in steps[: -self.keep]:
+            self._rotated.add(step)  # on every process: all of them list the same steps
+            if jax.process_index() != 0:
+                continue
+            path = self.step_path(step)
+            try:  # renamed first: uncommitted from then on, even if the rmtree stops half-way
+                os.rename(path, doomed := f"{path}.orbax-checkpoint-tmp-deleted")
+                shutil.rmtree(doomed)
+            except OSError as e:
+                log.warning(
+                    f"old checkpoint step {step} at {e.filename or path} could not be deleted "
+                    f"({_cause(e)}): it stays on disk (keep={self.keep}); training goes on"
+                )
 
     def _failure(self, step: int | None, e: BaseException) -> CheckpointError:
         """The one-line error of a failed save of `step`; its partial directories removed."""
@@ -319,10 +349,9 @@ class Checkpointer:
         """Removes the uncommitted directories of `step` (process 0; the others share them)."""
         if jax.process_index() != 0:
             return
-        import shutil
-
         for s, path in self.uncommitted():
-            if s == step:
+            marker = os.path.join(path, "commit_success.txt")
+            if s == step and not (path == self.step_path(s) and os.path.exists(marker)):
                 shutil.rmtree(path, ignore_errors=True)
                 self._warned.add(path)
 
@@ -336,6 +365,7 @@ class Checkpointer:
             self._manager.wait_until_finished()  # finished: returns at once, or raises
         except Exception as e:
             return self._failure(step, e)
+        self._rotate()
         return None
 
     def wait_until_finished(self) -> None:
@@ -347,6 +377,7 @@ class Checkpointer:
             step, self._pending = self._pending, None
             raise self._failure(step, e) from None
         self._pending = None
+        self._rotate()
 
     def close(self) -> None:
         try:
