@@ -224,9 +224,8 @@ def test_tiny_train_step_once_reduces_over_nodes_once():
 
 def test_explore_tiny_candidates_and_recommendation(monkeypatch):
     """The candidate sweep on the tiny Fuji (2 "nodes" of 4 devices), the compiles replaced by
-    a fake summary (fewer EFA bytes with reduce once, more with k; a compiled footprint over
-    the budget at k=1): every analytically fitting k up to k_limit, "once" dropped where there
-    is no data axis, fit decided by each candidate's own footprint, the recommendation at the
+    a fake summary (fewer EFA bytes with reduce once, more with k): every analytically fitting
+    k up to k_limit, "once" dropped where there is no data axis, the recommendation at the
     config's node count with its per-node mesh shape, the weak-scaling table, and the dry-run
     lines naming them."""
     from trn_accum.train import perfmodel
@@ -256,11 +255,11 @@ def test_explore_tiny_candidates_and_recommendation(monkeypatch):
                .label(), c["fits"]) for c in st["candidates"]]  # fmt: skip
     assert st["fit_k"]["hybrid x2"] == [1, 2, 4]
     assert labels == [
-        ("hybrid x2 k=1 per_minibatch", False),
-        ("hybrid x2 k=1 once", False),
+        ("hybrid x2 k=1 per_minibatch", True),
+        ("hybrid x2 k=1 once", True),
         ("hybrid x2 k=2 per_minibatch", True),
         ("hybrid x2 k=2 once", True),
-        ("reference x2 k=1 per_minibatch", False),
+        ("reference x2 k=1 per_minibatch", True),
         ("reference x2 k=2 per_minibatch", True),
     ]
     best = st["recommendation"]

@@ -185,10 +185,10 @@ def explore(cfg, *, nodes: int, layout: steptime.Layout, devices=None,
     Candidates: every mesh of `meshes` (default `recommend.MESHES`: the model axis 4, 2, 1 with
     FSDP over the rest of a node, and FSDP over every node) at the config's node count, the
     `k_limit` smallest k whose analytic bytes fit trainer.memory_budget_gib (a lower bound:
-    nothing below it can fit), both reduce modes. A candidate fits when its own compiled
-    footprint (`predict`'s "memory_bytes": XLA:CPU's, at reduced depth, extrapolated) is
-    within the budget; XLA:CPU widens bf16 temporaries to float32, so this errs towards not
-    fitting; when no candidate fits that way, the analytic estimate decides (`fit_rule`). The
+    nothing below it can fit), both reduce modes; a candidate fits by that estimate. Each
+    summary also carries its program's compiled footprint ("memory_bytes"), not used for the
+    fit: the priced programs use plain attention (`plain_attention`) and XLA:CPU keeps bf16
+    temporaries in float32, so it overstates what the program needs on trn2. The
     scale table: the recommended mesh, k and reduce at each node count of `scale_nodes`, the
     per-node batch of the config (weak scaling)."""
     t0 = time.perf_counter()
@@ -209,14 +209,7 @@ def explore(cfg, *, nodes: int, layout: steptime.Layout, devices=None,
         seen.add(same)
         c = _with(cfg, mesh=meshes[cand.mesh], k=cand.k, reduce=cand.reduce)
         summary = predict(c, nodes=cand.nodes, **kw)
-        mem = summary["memory_bytes"]
-        rows.append({"candidate": cand, "fits_compiled": mem is None or mem <= budget,
-                     "summary": summary})  # fmt: skip
-    # fit: the compiled footprint (an upper bound: XLA:CPU widens bf16 temporaries) where any
-    # candidate meets it, else the analytic estimate every row already meets (a lower bound)
-    fit_rule = "compiled" if any(r["fits_compiled"] for r in rows) else "analytic"
-    for r in rows:
-        r["fits"] = r["fits_compiled"] if fit_rule == "compiled" else True
+        rows.append({"candidate": cand, "fits": True, "summary": summary})
     own = predict(cfg, nodes=nodes, **kw)
     best = rec.recommend(rows, nodes)
     shapes = {r["candidate"]: r["summary"]["mesh_shape"] for r in rows}
@@ -236,7 +229,6 @@ def explore(cfg, *, nodes: int, layout: steptime.Layout, devices=None,
         },  # fmt: skip
         "fit_k": {f"{m} x{n}": ks for (m, n), ks in fit_ks.items()},
         "budget_bytes": budget,
-        "fit_rule": fit_rule,
         "candidates": [
             {
                 **r,
@@ -343,14 +335,9 @@ def format_lines(st: dict[str, Any]) -> list[str]:
         f"{s['tokens_per_s'][1]:.4g}; MFU (useful FLOPs) {s['mfu'][0]:.1%}-{s['mfu'][1]:.1%}",
         "  candidates (k whose analytic bytes fit: "
         + "; ".join(f"{key}: {ks}" for key, ks in st["fit_k"].items())
-        + (
-            f"; fits = own compiled XLA:CPU footprint, extrapolated, <= "
-            f"{format_bytes(st['budget_bytes'])}"
-            if st["fit_rule"] == "compiled"
-            else "; no candidate's XLA:CPU footprint (bf16 temporaries widened to float32) fits "
-            f"{format_bytes(st['budget_bytes'])}: fit = the analytic estimate, a lower bound"
-        )
-        + "); bytes per device per step:",
+        + "; fit = that estimate, a lower bound: the priced programs use plain attention and "
+        "XLA:CPU keeps bf16 temporaries in float32, so their compiled footprints (memory_bytes) "
+        "overstate trn2's" + "); bytes per device per step:",
         *st["table"],
     ]
     best = st.get("recommendation")
