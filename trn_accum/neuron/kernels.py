@@ -11,8 +11,11 @@ nki`, `nki.language`, `nki.jit`):
 Sources: the NKI Library kernel reference (awsdocs-neuron, nki/library/api/attention-cte) and
 the kernels' source (github.com/aws-neuron/nki-library, src/nkilib_src/nkilib/core/attention/
 attention_cte.py and attention_bwd.py). The legacy kernel namespace inside the neuronx-cc
-package (the old `flash_fwd`/`flash_attn_bwd`) is a compile error from Neuron SDK 2.30 and
-removed in 2.34 (NKI release notes); nothing here imports it.
+package (the old `flash_fwd`/`flash_attn_bwd`) is a compile error inside a kernel from Neuron
+2.28 and removed from neuronx-cc in 2.34 (the Neuron announcement "Announcing the removal of
+the neuronxcc.nki namespace from neuronx-cc in Neuron 2.34",
+about-neuron/announcements/neuron2.x/announce-removal-neuronxcc-nki-2-34); nothing here
+imports it.
 
 LNC. Both kernels take a 1-D SPMD grid of at most 2 programs and split their work over it
 themselves, so they are launched as `kernel[lnc](...)`, `lnc` the job's logical-core size

@@ -34,7 +34,12 @@ TRN2_INSTANCE_TYPE = "trn2.48xlarge"
 TRN2_CHIPS_PER_NODE = 16
 TRN2_CORES_PER_CHIP = 8  # physical NeuronCore-v3
 TRN2_PHYSICAL_CORES_PER_NODE = TRN2_CHIPS_PER_NODE * TRN2_CORES_PER_CHIP  # 128
-TRN2_CHIP_PEAK_FLOPS = 667e12  # dense BF16 FLOP/s of one chip
+# Peak: the one figure this package uses is the Trainium2 architecture page's 667 dense BF16
+# TFLOP/s per chip (the chip-level figure, the one AWS quotes for instances and the unit MFU is
+# stated in). The NeuronCore-v3 page (about-neuron/arch/neuron-hardware/neuron-core-v3) gives
+# 79 dense BF16 TFLOP/s per core, 8 x 79 = 632 per chip, 5.2 % lower; the dry-run shows both.
+TRN2_CHIP_PEAK_FLOPS = 667e12  # dense BF16 FLOP/s of one chip (Trainium2 page)
+TRN2_CORE_PEAK_FLOPS_ALT = 79e12  # dense BF16 FLOP/s of one NeuronCore-v3 (its own page)
 TRN2_CHIP_HBM_GIB = 96.0
 DEFAULT_LNC = 2  # logical NeuronCore size: physical cores per JAX device
 LNC_VALUES = (1, 2)
@@ -161,7 +166,11 @@ def neuron_env(
         across processes; `trn_accum.cluster.distributed` derives it from the launcher.
       visible_cores: NEURON_RT_VISIBLE_CORES (e.g. "0-63"), to restrict this process's cores.
 
-    ``NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS`` is deprecated from SDK 2.31 and not set.
+    ``NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS`` is not set: from Neuron 2.31 it no longer
+    enables asynchronous execution and emits a deprecation warning (the announcement "Neuron no
+    longer supports implicit asynchronous mode starting with Neuron 2.31.0",
+    about-neuron/announcements/neuron2.x/announce-no-support-implicit-async-mode); the framework
+    uses the explicit async APIs (neuron-runtime/guides/how-to-migrate-async-apis).
     """
     lnc = check_lnc(lnc)
     flags = NEURON_CC_FLAGS.split()

@@ -115,6 +115,17 @@ def run(
     return report
 
 
+def _peak_note(floor_s: float) -> str:
+    """The other published peak (the NeuronCore-v3 page's per-core figure x 8) next to ours."""
+    alt = platform.TRN2_CORE_PEAK_FLOPS_ALT * platform.TRN2_CORES_PER_CHIP
+    return (
+        f"peak: {platform.TRN2_CHIP_PEAK_FLOPS / 1e12:g} TFLOP/s per chip (Trainium2 page); the "
+        f"NeuronCore-v3 page's {platform.TRN2_CORE_PEAK_FLOPS_ALT / 1e12:g} x "
+        f"{platform.TRN2_CORES_PER_CHIP} = {alt / 1e12:g} per chip would put the floor at "
+        f"{floor_s * platform.TRN2_CHIP_PEAK_FLOPS / alt:.4g} s"
+    )
+
+
 def substitutions(cfg) -> list[dict[str, str]]:
     """The Neuron-only pieces `cfg` names that the dry-run compiles with stand-ins, by name.
 
@@ -275,6 +286,7 @@ def _run(cfg, config_path, overrides, devices, nodes, t_start) -> dict[str, Any]
             f"({platform.TRN2_CHIP_PEAK_FLOPS:.4g} FLOP/s x {chips:g} chips) = "
             f"{floor_s:.4g} s / step_time_s"
         ),
+        "peak_note": _peak_note(floor_s),
         "split_collectives": split_counts,
         "step_collectives": {
             "outside_loops": step_counts["outside_loops"],
@@ -361,6 +373,7 @@ def format_report(r: Mapping[str, Any], *, as_json: bool = False) -> str:
         f"  cost_analysis per device {f['cost_analysis_per_device'] or 0:.4g} (loop bodies once);"
         f" with trip counts {f['cost_analysis_with_trips_per_device'] or 0:.4g}",
         f"step-time floor at trn2 peak: {r['step_time_floor_s']:.4g} s; {r['mfu_formula']}",
+        f"  {r['peak_note']}",
         f"split_minibatches collectives: {sum(r['split_collectives'].values())} "
         f"{_nonzero(r['split_collectives'])}",
         f"train step collectives: outside loops {_nonzero(r['step_collectives']['outside_loops'])}"
