@@ -245,3 +245,38 @@ def test_neuron_check_option_runs_first_and_fails_the_job(tmp_path, check_rc, wa
     assert calls == (["neuron-check", "train"] if trained else ["neuron-check"])
     if not trained:
         assert "neuron-check failed: not training" in r.stderr
+
+
+@pytest.mark.parametrize(
+    "argv, fragments",
+    [
+        (["--set", "trainer.notakey=1"], ["trainer.notakey"]),
+        (["--set", "trainer.steps=abc"], ["trainer.steps", "abc"]),
+        (["--train-arg=--no-such-flag"], ["--no-such-flag"]),
+        (["--train-arg=--profile"], ["--profile", "expected one argument"]),
+        (["--config", "configs/nope.toml"], ["configs/nope.toml", "no such file"]),
+        (["--run-dir", "/tmp/x"], ["/tmp/x", "/checkpoints", "--run-dir-outside-volume"]),
+        (["--run-dir", "runs/x"], ["runs/x", "/checkpoints"]),
+        (["--run-dir", "/checkpoints/../x"], ["/checkpoints/../x", "/checkpoints"]),
+    ],
+)
+def test_render_refuses_what_the_pods_would(argv, fragments, capsys):
+    """A job that cannot work fails when it is rendered: the config and its --set overrides
+    through the trainer's loader, --train-arg through the train parser, a run directory off
+    the checkpoint volume: one line, exit 2, no manifest."""
+    from trn_accum import cli
+
+    assert cli.main(["render-eks", "--nodes", "2", "--image", IMAGE, *argv]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith("trn-accum: error:")
+    assert all(f in err for f in fragments), err
+
+
+def test_render_accepts_a_run_dir_on_the_volume_or_explicitly_outside(capsys):
+    from trn_accum import cli
+
+    base = ["render-eks", "--nodes", "2", "--image", IMAGE]
+    assert cli.main([*base, "--run-dir", "/checkpoints/exp 1", "--set", "trainer.steps=5"]) == 0
+    assert "--run-dir" in capsys.readouterr().out
+    assert cli.main([*base, "--run-dir", "/tmp/x", "--run-dir-outside-volume"]) == 0
+    assert "/tmp/x" in capsys.readouterr().out

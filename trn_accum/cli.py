@@ -180,10 +180,39 @@ def _cmd_plot(args) -> int:
     return EXIT_OK
 
 
+def _check_rendered_job(args, train_args: list[str]) -> None:
+    """What every pod would refuse, refused now (one line, exit 2): the config with its --set
+    overrides through the trainer's own loader (the path is the image's, relative to the
+    repository: read from this checkout), the --train-arg values through the train parser,
+    and a run directory outside the checkpoint volume unless accepted explicitly."""
+    from trn_accum.cluster import eks
+    from trn_accum.train.config import load_config
+
+    if not os.path.isfile(args.config):
+        raise UsageError(
+            f"render-eks --config {args.config}: no such file in this checkout; the path is the "
+            "image's, relative to the repository: render from the repository root of the "
+            "revision the image was built from"
+        )
+    load_config(args.config, args.set)  # ConfigError: the line the trainer would print
+    build_parser().parse_args(["train", "--config", args.config, *train_args])
+    run_dir = args.run_dir
+    mount = eks.CHECKPOINT_MOUNT
+    if run_dir is not None and not args.run_dir_outside_volume:
+        norm = os.path.normpath(run_dir)
+        if not os.path.isabs(run_dir) or os.path.commonpath([norm, mount]) != mount:
+            raise UsageError(
+                f"render-eks --run-dir {run_dir}: not under the checkpoint volume's mount {mount}"
+                f" (the --pvc claim), so a pod restart loses every checkpoint; use "
+                f"--run-dir {mount}/<name>, or pass --run-dir-outside-volume to accept that"
+            )
+
+
 def _cmd_render_eks(args) -> int:
     from trn_accum.cluster import eks
 
     train_args = [a for kv in args.set for a in ("--set", kv)] + list(args.train_arg)
+    _check_rendered_job(args, train_args)
     text = eks.render_eks(
         args.nodes,
         args.image,
@@ -314,7 +343,14 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--name", default="fuji-3b", help="Job/Service name (DNS label)")
     r.add_argument("--namespace", default="default")
     r.add_argument("--pvc", default="trn-accum-fsx", help="shared-FS PersistentVolumeClaim")
-    r.add_argument("--run-dir", default=None, help="default /checkpoints/<name>")
+    r.add_argument(
+        "--run-dir", default=None, help="default /checkpoints/<name>; must be under /checkpoints"
+    )
+    r.add_argument(
+        "--run-dir-outside-volume",
+        action="store_true",
+        help="accept a --run-dir outside the checkpoint volume: a pod restart loses checkpoints",
+    )
     r.add_argument("--max-restarts", type=int, default=3, help="whole-job restarts on crashes")
     r.add_argument("--scheduler-name", default=None, help="pod schedulerName (optional)")
     r.add_argument(
