@@ -328,6 +328,14 @@ def _bad_cases(base):
             ["dry-run", "--config", TINY, "--devices", "8", "--nodes", "3"],
             "--nodes 3",
         ),
+        "dry-run devices beyond the bound": (
+            ["dry-run", "--config", TINY, "--devices", "99999999"],
+            "--devices 99999999: must be 1..1024",
+        ),
+        "dry-run nodes beyond the bound": (
+            ["dry-run", "--config", TINY, "--nodes", "99999999"],
+            "--nodes 99999999: must be 1..4096",
+        ),
         "plot without metrics": (["plot", base / "tok"], "metrics.jsonl"),
         "neuron_flash without Neuron": (
             t + ["--set", "model.attention=neuron_flash"],

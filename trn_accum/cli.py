@@ -117,11 +117,26 @@ def _dry_run_env_ready(devices: int) -> bool:
     return True
 
 
+# The dry-run emulates ONE node (its per-device batch for N nodes comes from --nodes), so more
+# devices than 8 trn2.48xlarge at LNC=1 (8 x 128) buy nothing; XLA:CPU's emulated devices and
+# the partitioned program grow with the count (--devices 99999999 passed 10 GB in 20 s).
+MAX_DRY_RUN_DEVICES = 1024
+# --nodes only divides the batch; the step-time model prices up to 128 nodes (its scale table).
+MAX_DRY_RUN_NODES = 4096
+
+
 def _cmd_dry_run(args) -> int:
-    if args.devices < 1:
-        raise UsageError(f"--devices {args.devices}: must be >= 1 (64 = one trn2.48xlarge)")
-    if args.nodes is not None and args.nodes < 1:
-        raise UsageError(f"--nodes {args.nodes}: must be >= 1")
+    if not 1 <= args.devices <= MAX_DRY_RUN_DEVICES:
+        raise UsageError(
+            f"--devices {args.devices}: must be 1..{MAX_DRY_RUN_DEVICES} (64 = one trn2.48xlarge "
+            "at LNC=2); the dry-run emulates one node, --nodes N gives it the per-device batch "
+            "of N nodes"
+        )
+    if args.nodes is not None and not 1 <= args.nodes <= MAX_DRY_RUN_NODES:
+        raise UsageError(
+            f"--nodes {args.nodes}: must be 1..{MAX_DRY_RUN_NODES} (the node count whose "
+            "per-device batch one emulated node carries)"
+        )
     if not _dry_run_env_ready(args.devices):
         # A backend with another device count runs in this process: start a fresh one (it sets
         # the device count in XLA_FLAGS before its backend starts).
