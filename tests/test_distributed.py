@@ -90,7 +90,13 @@ def test_single_process():
         0,
         None,
     )
-    assert plan.neuron_env == {}  # nothing multi-process to set
+    # one process still runs collectives: the runtime's root address is this host
+    assert plan.neuron_env == {"NEURON_RT_ROOT_COMM_ID": "127.0.0.1:41000"}
+    preset = {"NEURON_RT_ROOT_COMM_ID": "10.0.0.9:5000"}
+    assert derive_launch(preset, neuron=True).neuron_env == preset
+    port = derive_launch({"TRN_ACCUM_NEURON_ROOT_PORT": "43000"}, neuron=True).neuron_env
+    assert port == {"NEURON_RT_ROOT_COMM_ID": "127.0.0.1:43000"}
+    assert derive_launch({}, neuron=False).neuron_env == {}
 
 
 def test_slurm_one_node_one_task_is_single():

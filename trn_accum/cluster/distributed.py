@@ -27,7 +27,8 @@ Neuron runtime configuration page):
 ``TRN_ACCUM_DEVICES_PER_PROCESS``, else the count of ``NEURON_RT_VISIBLE_CORES``, else
 128 / ``NEURON_LOGICAL_NC_CONFIG`` for a trn2.48xlarge), ``NEURON_PJRT_PROCESS_INDEX`` (the
 rank) and ``NEURON_RT_ROOT_COMM_ID`` (``<coordinator host>:<TRN_ACCUM_NEURON_ROOT_PORT, default
-41000>``; outside JAX's Slurm port range 61440-65535, so the two never collide). A value already
+41000>``; outside JAX's Slurm port range 61440-65535, so the two never collide; one process:
+``127.0.0.1:<port>``, since the runtime wants it for any workload with collectives). A value already
 in the environment wins. ``initialize`` exports them and selects the rbg PRNG
 (``jax_default_prng_impl``), since Threefry is not fully supported on Neuron.
 
@@ -84,7 +85,8 @@ class LaunchPlan:
     coordinator: "host:port" of process 0's coordination service (None when single).
     hosts: every process's host when the launcher says so (Slurm nodes, Kubernetes pod DNS
       names), else ().
-    neuron_env: the Neuron multi-process variables to export before the backend starts
+    neuron_env: the Neuron launch variables to export before the backend starts (one process:
+      only NEURON_RT_ROOT_COMM_ID, this host)
       (empty off Neuron, and for a single process).
     """
 
@@ -264,10 +266,15 @@ def neuron_devices_per_process(env: Mapping[str, str]) -> int:
 
 
 def _neuron_env(env: Mapping[str, str], plan: LaunchPlan) -> dict[str, str]:
-    if not plan.distributed:
-        return {}
-    per = neuron_devices_per_process(env)
     root_port = _port(env, "TRN_ACCUM_NEURON_ROOT_PORT", DEFAULT_NEURON_ROOT_PORT)
+    if not plan.distributed:
+        # One process still runs collectives over its own cores: the runtime guide
+        # (neuron-runtime/nrt-configurable-parameters) calls NEURON_RT_ROOT_COMM_ID mandatory
+        # for workloads with collectives; the root is this host.
+        return {
+            "NEURON_RT_ROOT_COMM_ID": env.get("NEURON_RT_ROOT_COMM_ID") or f"127.0.0.1:{root_port}"
+        }
+    per = neuron_devices_per_process(env)
     derived = {
         "NEURON_PJRT_PROCESSES_NUM_DEVICES": ",".join([str(per)] * plan.num_processes),
         "NEURON_PJRT_PROCESS_INDEX": str(plan.process_id),
