@@ -26,8 +26,9 @@ the group size on the target mesh, how a group splits over the levels of the har
 
 A group on one level is the flat ring. A group over data x fsdp (16 devices per node, one per
 chip, 32 nodes) crosses EFA with 1/16 of the buffer in 2 x 31 steps, not as a 512-device ring
-on EFA: this is the algorithm the Neuron runtime documents for inter-node collectives
-(neuron-runtime/explore/internode-collective-comm: intra-node first, then inter-node).
+on EFA. That the runtime runs such groups hierarchically is this model's assumption (the
+common algorithm for multi-level fabrics); the Neuron runtime's inter-node collectives page
+(neuron-runtime/explore/internode-collective-comm) gives ring step counts, not the split.
 
 S does not depend on the size of the axes a collective runs over (all-gathers gather whole
 parameters, reduce-scatters scatter them, all-reduces reduce a shard of another axis), which is
