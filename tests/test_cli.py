@@ -336,6 +336,10 @@ def _bad_cases(base):
             ["dry-run", "--config", TINY, "--nodes", "99999999"],
             "--nodes 99999999: must be 1..4096",
         ),
+        "dry-run unknown step-time mesh": (
+            ["dry-run", "--config", TINY, "--step-time-meshes", "hybrid,ring"],
+            "mesh names are hybrid, hybrid-m2, hybrid-m1, reference",
+        ),
         "plot without metrics": (["plot", base / "tok"], "metrics.jsonl"),
         "neuron_flash without Neuron": (
             t + ["--set", "model.attention=neuron_flash"],

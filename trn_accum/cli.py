@@ -3,7 +3,7 @@
     trn-accum train --config FILE [--set section.key=value ...] [--run-dir DIR]
                     [--profile START:STOP] [--allow-config-change KEY ...]
     trn-accum dry-run --config FILE [--set ...] [--devices 64] [--nodes N] [--json]
-                      [--no-step-time]
+                      [--no-step-time | --step-time-meshes NAME[,NAME...]]
     trn-accum neuron-check [--config FILE] [--run-dir DIR] [--json]   first thing on trn2
     trn-accum neuron-env                 the trn2 environment as shell `export` lines
     trn-accum prepare-data TEXT_FILES... --out DIR [--tokenizer bytes|tokenizer.json]
@@ -125,6 +125,19 @@ MAX_DRY_RUN_DEVICES = 1024
 MAX_DRY_RUN_NODES = 4096
 
 
+def _mesh_names(text: str) -> tuple[str, ...]:
+    """--step-time-meshes: comma-separated names of `recommend.MESHES`."""
+    from trn_accum.analysis.recommend import MESHES
+
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    bad = [n for n in names if n not in MESHES]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: mesh names are {', '.join(MESHES)} (comma-separated)"
+        )
+    return names
+
+
 def _cmd_dry_run(args) -> int:
     if not 1 <= args.devices <= MAX_DRY_RUN_DEVICES:
         raise UsageError(
@@ -149,6 +162,7 @@ def _cmd_dry_run(args) -> int:
         devices=args.devices,
         nodes=args.nodes,
         step_time=args.step_time,
+        step_time_meshes=args.step_time_meshes,
     )
     print(dryrun.format_report(report, as_json=args.json))
     return EXIT_FAILED if report.get("blockers") else EXIT_OK
@@ -306,8 +320,16 @@ def build_parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="the trn2 step-time model: bytes by link, step time / MFU bounds for the config "
-        "and candidates, a recommendation (default on; about 40 s more for the 3B config; "
-        "--no-step-time skips it)",
+        "and candidates, a recommendation (default on; a few minutes more for the 3B config on "
+        "2 cores; --no-step-time skips it)",
+    )
+    d.add_argument(
+        "--step-time-meshes",
+        type=_mesh_names,
+        default=None,
+        metavar="NAME[,NAME...]",
+        help="price only these candidate meshes (default every one of "
+        "trn_accum.analysis.recommend.MESHES: hybrid, hybrid-m2, hybrid-m1, reference)",
     )
     d.set_defaults(func=_cmd_dry_run)
 
