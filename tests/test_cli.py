@@ -160,6 +160,42 @@ def test_external_sigterm_saves_and_exits_75(tmp_path):
     assert (run / "checkpoints" / str(last)).is_dir()
 
 
+@pytest.mark.slow
+def test_sigterm_during_the_first_compile_exits_75_at_once(tmp_path):
+    """The signal arrives right after the "training ..." line, i.e. while the step compiles: the
+    trainer exits 75 without waiting for XLA (a trn2 compile of the 3B step outlasts a grace
+    period), writes no checkpoint and releases its claim; the next start trains normally."""
+    run = tmp_path / "run"
+    args = ["train", "--config", TINY, "--run-dir", run, "--set", "trainer.steps=2"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trn_accum.cli", *map(str, args)],
+        env=subprocess_env(),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        for line in proc.stdout:
+            if line.startswith("training "):
+                proc.send_signal(signal.SIGTERM)
+                break
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == EXIT_PREEMPTED, (out, err[-3000:])
+    assert "while compiling the train step, before step 1: nothing new to save" in out, out
+    assert "compiled the train step" not in out and "Traceback" not in err, (out, err)
+    assert not (run / "owner.json").exists() and not list((run / "checkpoints").iterdir())
+    r = subprocess.run(
+        [sys.executable, "-m", "trn_accum.cli", *map(str, args)],
+        env=subprocess_env(), cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [m["step"] for m in read_metrics(run) if m["kind"] == "train"] == [1, 2]
+
+
 @pytest.mark.xdist_group("trn_cli_done_run")
 @pytest.mark.slow
 def test_two_processes_train_then_resume_on_one(done_run, tmp_path):
