@@ -454,3 +454,39 @@ def test_cpu_fallback_flags_only_on_cpu():
     env = {"JAX_PLATFORMS": "neuron,cpu"}
     cpu_fallback_flags(env)  # a Neuron run is left alone
     assert "XLA_FLAGS" not in env
+
+
+@pytest.mark.parametrize(
+    "argv, fragments",
+    [
+        (["--", "--config", TINY, "--set", "trainer.notakey=1"], ["trainer.notakey"]),
+        (["--", "--config", TINY, "--set", "trainer.steps=abc"], ["trainer.steps", "abc"]),
+        (["--", "--config", TINY, "--stepz", "3"], ["--stepz"]),
+        (["--", "--config", "configs/nope.toml"], ["configs/nope.toml", "does not exist"]),
+        (["--"], ["--config"]),
+        (
+            ["--only-config-args", "--", "--config", TINY, "--mode", "x", "--set=trainer.steps=a"],
+            ["trainer.steps"],
+        ),
+    ],
+)
+def test_check_config_refuses_what_train_would(argv, fragments, capsys):
+    """`trn-accum check-config -- ARGS`: what `trn-accum train ARGS` refuses at start, one
+    line and exit 2, without training (the Slurm script runs it before srun)."""
+    from trn_accum import cli as trn_cli
+
+    assert trn_cli.main(["check-config", *argv]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith("trn-accum: error:")
+    assert all(f in err for f in fragments), err
+
+
+def test_check_config_accepts_what_train_accepts(capsys):
+    from trn_accum import cli as trn_cli
+
+    ok = ["--config", TINY, "--set", "trainer.steps=3", "--run-dir", "runs/x"]
+    assert trn_cli.main(["check-config", "--", *ok]) == 0
+    assert capsys.readouterr().out.strip().endswith("with 1 --set override(s): ok")
+    # a substituted trainer's own options pass; its --config and --set are still checked
+    assert trn_cli.main(["check-config", "--only-config-args", "--", *ok, "--mode", "psum"]) == 0
+    assert trn_cli.main(["check-config", "--", *ok, "--mode", "psum"]) == 2

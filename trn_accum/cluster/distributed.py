@@ -33,7 +33,9 @@ in the environment wins. ``initialize`` exports them and selects the rbg PRNG
 (``jax_default_prng_impl``), since Threefry is not fully supported on Neuron.
 
 Bad values raise ``LaunchError`` (a ``ValueError``) with one line naming the variable, the rule
-and a fix. JAX is imported inside ``initialize`` only: deriving a plan starts nothing. On Neuron,
+and a fix; so do ranks that disagree on the process count (``trn_accum.cluster.agreement``: each
+rank shows rank 0 its count before JAX starts, since JAX would use rank 0's and wait or run on).
+JAX is imported inside ``initialize`` only: deriving a plan starts nothing. On Neuron,
 ``initialize`` also applies ``trn_accum.neuron.platform.trn2_env`` (the values
 ``launch/env/trn2.sh`` exports; what is already set wins) and selects the rbg PRNG.
 """
@@ -45,6 +47,7 @@ import os
 import re
 from collections.abc import Mapping
 
+from trn_accum.cluster import agreement
 from trn_accum.errors import UserError
 from trn_accum.neuron import platform
 
@@ -88,6 +91,7 @@ class LaunchPlan:
     neuron_env: the Neuron launch variables to export before the backend starts (one process:
       only NEURON_RT_ROOT_COMM_ID, this host)
       (empty off Neuron, and for a single process).
+    num_processes_from: where num_processes was read (a variable or argument name).
     """
 
     mode: str
@@ -96,6 +100,7 @@ class LaunchPlan:
     coordinator: str | None = None
     hosts: tuple[str, ...] = ()
     neuron_env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    num_processes_from: str = "TRN_ACCUM_NUM_PROCESSES"
 
     @property
     def coordinator_host(self) -> str | None:
@@ -284,10 +289,10 @@ def _neuron_env(env: Mapping[str, str], plan: LaunchPlan) -> dict[str, str]:
 
 
 def _explicit(env, coordinator, num_processes, process_id) -> LaunchPlan:
-    if num_processes is not None:
-        num = _int("num_processes", str(num_processes), minimum=1)
-    else:
-        num = _int("TRN_ACCUM_NUM_PROCESSES", env.get("TRN_ACCUM_NUM_PROCESSES", "1"), minimum=1)
+    num_name = "TRN_ACCUM_NUM_PROCESSES" if num_processes is None else "num_processes"
+    num = _int(
+        num_name, env.get(num_name, "1") if num_processes is None else str(num_processes), minimum=1
+    )
     pid_name = (
         "TRN_ACCUM_PROCESS_ID"
         if process_id is None and env.get("TRN_ACCUM_PROCESS_ID") is not None
@@ -303,7 +308,9 @@ def _explicit(env, coordinator, num_processes, process_id) -> LaunchPlan:
             f"num_processes={num} needs a coordinator: set TRN_ACCUM_COORDINATOR=host:port "
             f"(process 0's host and a free port) or pass coordinator='host:port'"
         )
-    return LaunchPlan("explicit", num, pid, _address("coordinator", coord))
+    return LaunchPlan(
+        "explicit", num, pid, _address("coordinator", coord), num_processes_from=num_name
+    )
 
 
 def _kubernetes(env: Mapping[str, str]) -> LaunchPlan:
@@ -350,7 +357,7 @@ def _slurm(env: Mapping[str, str]) -> LaunchPlan:
         coord = _address("JAX_COORDINATOR_ADDRESS", env["JAX_COORDINATOR_ADDRESS"])
     else:
         coord = f"{hosts[0]}:{slurm_coordinator_port(env)}"
-    return LaunchPlan("slurm", num, pid, coord, hosts)
+    return LaunchPlan("slurm", num, pid, coord, hosts, num_processes_from="SLURM_NTASKS")
 
 
 def derive_launch(
@@ -421,8 +428,9 @@ def initialize(
 
     Single process: starts nothing. Slurm: `jax.distributed.initialize` detects the step itself
     from `os.environ` (the plan must agree; checked after start-up). Kubernetes / explicit:
-    the plan's values, with JAX's cluster detection off. Idempotent: a second call returns the
-    same info.
+    the plan's values, with JAX's cluster detection off, once every rank has shown rank 0 the
+    same process count (`trn_accum.cluster.agreement`; within `initialization_timeout`).
+    Idempotent: a second call returns the same info.
     Does not start the JAX backend (no devices are queried).
     """
     env = os.environ if env is None else env
@@ -462,6 +470,11 @@ def initialize(
                 f"says {plan.process_id} of {plan.num_processes}: check SLURM_PROCID/SLURM_NTASKS"
             )
     else:
+        # the coordinator's count rules in JAX: compare every rank's first (agreement.py)
+        claim = agreement.Claim(plan.process_id, plan.num_processes, plan.num_processes_from)
+        problem = agreement.check_count(claim, plan.coordinator, initialization_timeout)
+        if problem is not None:
+            raise LaunchError(problem)
         jax.distributed.initialize(
             plan.coordinator,
             plan.num_processes,
