@@ -8,7 +8,9 @@ KIND:
 - sigkill_after_save_start: SIGKILL right after the background save of step STEP has
   started, before it commits (a save killed half-way);
 - sigkill_after_step: SIGKILL right after step STEP is logged (a trainer killed outright: it
-  leaves its run-dir claim behind).
+  leaves its run-dir claim behind);
+- truncate_after_step: right after step STEP is logged, the file named by $FAULT_TRUNCATE is
+  cut to a third of its size (a data file rewritten under a running trainer).
 
 The trainer is unchanged: the driver wraps `MetricsLogger.log_train` and `Checkpointer.save`.
 """
@@ -33,6 +35,16 @@ def _install(kind: str, at: int) -> None:
                 os.kill(os.getpid(), sig)
 
         MetricsLogger.log_train = logged
+    elif kind == "truncate_after_step":
+        log_train = MetricsLogger.log_train
+        path = os.environ["FAULT_TRUNCATE"]
+
+        def truncating(self, step, metrics):
+            log_train(self, step, metrics)
+            if step == at:
+                os.truncate(path, os.path.getsize(path) // 3)
+
+        MetricsLogger.log_train = truncating
     elif kind == "sigkill_after_save_start":
         save = Checkpointer.save
 

@@ -42,8 +42,10 @@ def _prepare(out, text: str, docs: int = 6):
     return prepare_data(files, str(out))
 
 
-def _train(run, data, *sets, allow=(), prefix=()):
-    args = [*prefix, sys.executable, "-m", "trn_accum.cli", "train", "--config", TINY,
+def _train(run, data, *sets, allow=(), prefix=(), fault=None, env=None):
+    cli = ["-m", "trn_accum.cli"] if fault is None else [str(ROOT / "tests" / "fault_driver.py"),
+                                                         fault, "--"]  # fmt: skip
+    args = [*prefix, sys.executable, *cli, "train", "--config", TINY,
             "--run-dir", str(run), "--set", 'data.kind="tokens"', "--set", f'data.path="{data}"',
             "--set", "checkpoint.every=1", "--set", "trainer.log_every=1"]  # fmt: skip
     for s in sets:
@@ -51,8 +53,9 @@ def _train(run, data, *sets, allow=(), prefix=()):
     if allow:
         args += ["--allow-config-change", *allow]
     return subprocess.run(
-        args, env=subprocess_env(), cwd=ROOT, capture_output=True, text=True, timeout=600
-    )
+        args, env=subprocess_env(**(env or {})), cwd=ROOT, capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
 
 
 def _steps(run):
@@ -145,6 +148,26 @@ def test_out_of_range_id_stops_the_run_in_one_line_and_keeps_its_checkpoints(tmp
     r = _train(run, data, "trainer.steps=3", allow=("data.fingerprint",))
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"resumed from {run / 'checkpoints' / '2'} (step 2)" in r.stdout
+
+
+@pytest.mark.slow
+def test_token_file_cut_under_a_running_trainer_is_one_line_and_loses_nothing(tmp_path):
+    """tokens.bin cut to a third after step 2 is logged (step 3's batch is already built): the
+    batch of step 4 is a short read; step 3 is saved, one line, exit 2, the claim released, no
+    partial step directory; with the file restored the run resumes from step 3."""
+    data, run = tmp_path / "tok", tmp_path / "run"
+    _prepare(data, "text")
+    good = (data / "tokens.bin").read_bytes()
+    r = _train(run, data, "trainer.steps=6", fault="truncate_after_step=2",
+               env={"FAULT_TRUNCATE": str(data / "tokens.bin")})  # fmt: skip
+    user_error_line(r, EXIT_USAGE, "shrank under the trainer", f"{len(good)} bytes at start")
+    assert not (run / "owner.json").exists()
+    # step 3 committed (checkpoint.keep = 2 of the tiny config), no partial step directory
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["2", "3"]
+    (data / "tokens.bin").write_bytes(good)
+    r = _train(run, data, "trainer.steps=4")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"resumed from {run / 'checkpoints' / '3'} (step 3)" in r.stdout
 
 
 def test_token_file_that_shrinks_under_the_reader_is_one_line(tmp_path):

@@ -237,7 +237,8 @@ class TokenDataset:
         self.model_vocab = int(model_vocab) if model_vocab is not None else self.vocab_size
         self.tokens = TokenFile(meta["tokens_path"], meta["dtype"], n_tok)
         try:
-            offsets = np.load(meta["offsets_path"], mmap_mode="r", allow_pickle=False)
+            # read whole (8 bytes a document): no memory map to fault if the file changes
+            offsets = np.load(meta["offsets_path"], allow_pickle=False)
         except (OSError, ValueError) as e:
             raise DataError(
                 f"offsets file {meta['offsets_path']} is not a readable .npy array "
