@@ -233,9 +233,10 @@ def test_explore_tiny_candidates_and_recommendation(monkeypatch):
 
     budget = 2 * 2**30  # the tiny config's trainer.memory_budget_gib
 
-    def fake(cfg, *, nodes, layout, **_):
+    def fake(cfg, *, nodes, layout, **_):  # remat "none" recomputes nothing: less compute
         k, once = cfg.trainer.accum_steps, cfg.trainer.reduce == "once"
-        s = _summary(0.0 if once else 100.0 * k, 10.0 * k, 0.1 if once else 0.2 * k)
+        compute = {"none": 0.75, "save_qkvo": 1.0, "full": 1.25}[cfg.model.remat]
+        s = _summary(0.0 if once else 100.0 * k, 10.0 * k, 0.1 if once else 0.2 * k, compute)
         return {**s, "depths_compiled": [2], "compile_s": 0.0, "target_mesh": {},
                 "mesh_shape": dict(cfg.mesh.axes()), "trips": [],
                 "memory_bytes": budget + 1 if k == 1 else budget}  # fmt: skip
@@ -261,9 +262,14 @@ def test_explore_tiny_candidates_and_recommendation(monkeypatch):
         ("hybrid x2 k=2 once", True),
         ("reference x2 k=1 per_minibatch", True),
         ("reference x2 k=2 per_minibatch", True),
+        # stage two: the fastest of those (hybrid k=2 once) with the other remat policies
+        ("hybrid x2 k=2 once remat=none", True),
+        ("hybrid x2 k=2 once remat=full", True),
     ]
+    assert st["fit_k"]["hybrid remat=none x2"] == [1, 2, 4]
     best = st["recommendation"]
-    assert best["label"] == "hybrid x2 k=2 once"
+    assert best["label"] == "hybrid x2 k=2 once remat=none"
+    assert any(r.startswith("remat = none over the config's: step 1.350 s vs 1.600 s") for r in best["reasons"]), best
     assert best["candidate"] in [c["candidate"] for c in st["candidates"]]
     assert best["candidate"]["mesh_shape"] == {"data": -1, "fsdp": 2, "model": 1}
     # weak scaling: 16 rows per node; 3 nodes (48 rows) is kept, every count is priced
@@ -271,7 +277,7 @@ def test_explore_tiny_candidates_and_recommendation(monkeypatch):
         (1, 16), (2, 32), (4, 64), (3, 48)
     ]  # fmt: skip
     lines = perfmodel.format_lines(st)
-    assert "  recommended at 2 node(s): hybrid x2 k=2 once" in lines
+    assert "  recommended at 2 node(s): hybrid x2 k=2 once remat=none" in lines
     assert any(ln.split()[:2] == ["4", "64"] for ln in lines)
 
 

@@ -1,7 +1,8 @@
 """Candidate configurations of a train step and the one the step-time model recommends.
 
-A candidate is (mesh, nodes, k, reduce): mesh one of `MESHES` (per-axis sizes, -1 = all
-devices left), nodes the node count, k = trainer.accum_steps, reduce = trainer.reduce. The
+A candidate is (mesh, nodes, k, reduce, remat): mesh one of `MESHES` (per-axis sizes, -1 = all
+devices left), nodes the node count, k = trainer.accum_steps, reduce = trainer.reduce, remat =
+model.remat (None: the config's; the other policies are tried on the fastest candidate only). The
 grid (`candidate_grid`) takes, per (mesh, nodes), the k that fit the memory budget (the
 analytic `trn_accum.analysis.memory.fit_by_steps`, smallest first; at most `k_limit` of them:
 compute is the same for every k and a larger k only adds per-minibatch parameter traffic) and
@@ -48,9 +49,11 @@ class Candidate:
     nodes: int
     k: int
     reduce: str
+    remat: str | None = None  # model.remat; None: the config's policy
 
     def label(self) -> str:
-        return f"{self.mesh} x{self.nodes} k={self.k} {self.reduce}"
+        policy = "" if self.remat is None else f" remat={self.remat}"
+        return f"{self.mesh} x{self.nodes} k={self.k} {self.reduce}{policy}"
 
 
 def candidate_grid(
@@ -118,8 +121,10 @@ def recommend(rows: Sequence[Mapping[str, Any]], nodes: int) -> dict[str, Any] |
             continue  # (the fastest, when not chosen, is the headroom reason above)
         said.add(field)
         os_ = other["summary"]
+        theirs = getattr(other["candidate"], field)
+        theirs = "the config's" if theirs is None else theirs  # remat None: the config's policy
         parts = [
-            f"{field} = {getattr(b, field)} over {getattr(other['candidate'], field)}: step "
+            f"{field} = {getattr(b, field)} over {theirs}: step "
             f"{bs['step_s_no_overlap']:.3f} s vs {os_['step_s_no_overlap']:.3f} s (no overlap)"
         ]
         for link in (platform.LINK_EFA, platform.LINK_NODE):

@@ -61,8 +61,8 @@ _HLO: dict[tuple, tuple[Any, Any, float]] = {}  # program -> (HLO module, footpr
 
 
 def _with(cfg, *, mesh: dict | None = None, k: int | None = None, reduce: str | None = None,
-          layers: int | None = None):  # fmt: skip
-    """cfg with mesh sizes / accum_steps / reduce / num_layers replaced."""
+          layers: int | None = None, remat: str | None = None):  # fmt: skip
+    """cfg with mesh sizes / accum_steps / reduce / num_layers / remat policy replaced."""
     m = cfg.mesh if mesh is None else dataclasses.replace(cfg.mesh, **mesh)
     t = dataclasses.replace(
         cfg.trainer,
@@ -70,6 +70,7 @@ def _with(cfg, *, mesh: dict | None = None, k: int | None = None, reduce: str | 
         reduce=cfg.trainer.reduce if reduce is None else reduce,
     )
     mo = cfg.model if layers is None else dataclasses.replace(cfg.model, num_layers=layers)
+    mo = mo if remat is None else dataclasses.replace(mo, remat=remat)
     return dataclasses.replace(cfg, mesh=m, trainer=t, model=mo)
 
 
@@ -178,14 +179,17 @@ SCALE_NODES = (1, 2, 4, 8, 16, 32, 64, 128)
 def explore(cfg, *, nodes: int, layout: steptime.Layout, devices=None,
             meshes=None, k_limit: int = 2, depths=DEFAULT_DEPTHS,
             emulate_nodes: int = EMULATE_NODES,
-            scale_nodes: Sequence[int] = SCALE_NODES) -> dict[str, Any]:  # fmt: skip
+            scale_nodes: Sequence[int] = SCALE_NODES,
+            remats: Sequence[str] = fuji.REMAT_POLICIES) -> dict[str, Any]:  # fmt: skip
     """The config's prediction, every candidate's (fit, summary), the recommendation and the
     weak-scaling table of the recommended choice.
 
     Candidates: every mesh of `meshes` (default `recommend.MESHES`: the model axis 4, 2, 1 with
     FSDP over the rest of a node, and FSDP over every node) at the config's node count, the
     `k_limit` smallest k whose analytic bytes fit trainer.memory_budget_gib (a lower bound:
-    nothing below it can fit), both reduce modes; a candidate fits by that estimate. Each
+    nothing below it can fit), both reduce modes; a candidate fits by that estimate. Then the
+    fastest of them with each other remat policy of `remats` whose analytic bytes fit at its k
+    (a second stage: remat changes compute and memory, not the collectives' layout). Each
     summary also carries its program's compiled footprint ("memory_bytes"), not used for the
     fit: the priced programs use plain attention (`plain_attention`) and XLA:CPU keeps bf16
     temporaries in float32, so it overstates what the program needs on trn2. The
@@ -210,15 +214,30 @@ def explore(cfg, *, nodes: int, layout: steptime.Layout, devices=None,
         c = _with(cfg, mesh=meshes[cand.mesh], k=cand.k, reduce=cand.reduce)
         summary = predict(c, nodes=cand.nodes, **kw)
         rows.append({"candidate": cand, "fits": True, "summary": summary})
-    own = predict(cfg, nodes=nodes, **kw)
     best = rec.recommend(rows, nodes)
+    if best is not None:  # the other remat policies, on the fastest candidate only
+        b = rec.Candidate(**best["candidate"])
+        for policy in remats:
+            if policy == cfg.model.remat:
+                continue
+            c = _with(cfg, mesh=meshes[b.mesh], k=b.k, reduce=b.reduce, remat=policy)
+            f = fitting_k(c, meshes[b.mesh], nodes, layout)
+            ks = [r["k"] for r in f["table"] if r["bytes"] <= budget]
+            fit_ks[(f"{b.mesh} remat={policy}", nodes)] = ks
+            if b.k in ks:
+                cand = dataclasses.replace(b, remat=policy)
+                rows.append(
+                    {"candidate": cand, "fits": True, "summary": predict(c, nodes=nodes, **kw)}
+                )
+        best = rec.recommend(rows, nodes)
+    own = predict(cfg, nodes=nodes, **kw)
     shapes = {r["candidate"]: r["summary"]["mesh_shape"] for r in rows}
     scale = []
     if best is not None:
         b = rec.Candidate(**best["candidate"])
         best["candidate"] = {**best["candidate"], "mesh_shape": shapes[b]}
-        scale = scale_table(_with(cfg, mesh=meshes[b.mesh], k=b.k, reduce=b.reduce), nodes,
-                            scale_nodes, **kw)  # fmt: skip
+        scale = scale_table(_with(cfg, mesh=meshes[b.mesh], k=b.k, reduce=b.reduce,
+                                  remat=b.remat), nodes, scale_nodes, **kw)  # fmt: skip
     return {
         "config": {
             "mesh": cfg.mesh.axes(),
