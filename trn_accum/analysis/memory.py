@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from trn_accum.core.sharding import spec_axes, valid_steps
+from trn_accum.core.sharding import drop_axes, spec_axes, valid_steps
 
 GIB = 1024**3
 
@@ -51,6 +51,27 @@ def state_shard_bytes(abstract_state, param_specs, opt_specs, mesh_shape) -> dic
         "grads": tree_shard_bytes(f32, param_specs, mesh_shape),
         "opt_state": tree_shard_bytes(abstract_state["opt_state"], opt_specs, mesh_shape),
     }
+
+
+def gather_once_bytes(params, param_specs, mesh_shape, axes, compute_dtype, mode: str) -> int:
+    """Extra per-device bytes of `gather` = `mode` (`trn_accum.core.gather_once`) over the
+    per_minibatch program: each parameter sharded over `axes` gathered full along them (the
+    `compute_dtype` buffer that travels and its cast back to the parameter's dtype), and one
+    minibatch's float32 gradient at that full size instead of the shard; "once_unsharded" also
+    the float32 accumulator at full size. 0 for "per_minibatch"."""
+    if mode == "per_minibatch":
+        return 0
+    c = jnp.dtype(compute_dtype).itemsize
+    spec_leaves = jax.tree.leaves(param_specs, is_leaf=lambda x: isinstance(x, P))
+    extra = 0
+    for a, spec in zip(jax.tree.leaves(params), spec_leaves, strict=True):
+        if not any(ax in axes for e in spec for ax in spec_axes(e)):
+            continue
+        full = shard_bytes(a.shape, jnp.float32, drop_axes(spec, axes), mesh_shape) // 4  # elements
+        shard = shard_bytes(a.shape, jnp.float32, spec, mesh_shape) // 4
+        grads = (2 if mode == "once_unsharded" else 1) * 4 * (full - shard)
+        extra += (c + a.dtype.itemsize) * full + grads
+    return extra
 
 
 def activation_estimate(cfg: Any, rows_per_minibatch: int, model_axis: int) -> dict[str, Any]:

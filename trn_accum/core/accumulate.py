@@ -37,8 +37,8 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from trn_accum.core import gather_once, rng
 from trn_accum.core import reduce_once as once
-from trn_accum.core import rng
 from trn_accum.core import sharding as shd
 from trn_accum.core.accumulator import (
     AUX_REDUCTIONS,
@@ -68,6 +68,8 @@ class _Options:
     grad_dtype: Any
     loop: str
     reduce: str
+    gather: str = "per_minibatch"
+    gather_dtype: Any = None
 
 
 def accumulate_gradients(
@@ -84,6 +86,8 @@ def accumulate_gradients(
     grad_dtype: Any = None,
     loop: str = "scan",
     reduce: str = "per_minibatch",
+    gather: str = "per_minibatch",
+    gather_dtype: Any = None,
 ) -> Callable:
     """Wrap `loss_fn(params, batch, *args)` into `grad_fn(params, batch, *args)` that returns
     `(loss, grads)` (or `((loss, aux), grads)` with `has_aux`) as `jax.value_and_grad` does on
@@ -127,6 +131,11 @@ def accumulate_gradients(
         use `trn_accum.constrain`. Random draws differ between the modes: under "once"
         `loss_fn` sees one device's rows of minibatch i, gets `fold_in(fold_in(key, i), j)`
         (j: its index on the manual axes) and draws bits for that shape.
+      gather: with reduce="once", "per_minibatch" (default: XLA gathers FSDP-sharded weights in
+        every minibatch), "once" (gathered once before the loop, each minibatch's gradient
+        reduce-scattered) or "once_unsharded" (also accumulated full-size, reduce-scattered
+        once); `gather_once`. gather_dtype: the gathered weights' dtype (cast on the shard,
+        e.g. bf16 when loss_fn computes in bf16); None: their own.
 
     Returns:
       grad_fn(params, batch, *args); shapes are checked at trace time (ValueErrors name the
@@ -134,9 +143,18 @@ def accumulate_gradients(
       input signature; extra arguments must be arrays); inside a caller's trace, inline.
     """
     steps = shd.validate_steps(steps)
-    for name, value, allowed in (("loop", loop, LOOPS), ("reduce", reduce, REDUCES)):
+    for name, value, allowed in (
+        ("loop", loop, LOOPS),
+        ("reduce", reduce, REDUCES),
+        ("gather", gather, gather_once.GATHERS),
+    ):
         if value not in allowed:
             raise ValueError(f"{name}={value!r} must be one of {allowed}")
+    if gather != "per_minibatch" and reduce != "once":
+        raise ValueError(
+            f'gather={gather!r} needs reduce="once" (the minibatch loop manual over the batch '
+            'axes, where the weights are gathered before it): pass reduce="once"'
+        )
     if reduce == "once":
         once.check_weight_fn(weight_fn)
     argnums = rng.check_rng_argnum(rng_argnum)
@@ -154,7 +172,8 @@ def accumulate_gradients(
     dtype = None if grad_dtype is None else jnp.dtype(grad_dtype)
     # fmt: off
     opts = _Options(loss_fn, steps, mesh, batch_spec, param_specs, weight_fn, aux_reduction,
-                    bool(has_aux), argnums, dtype, loop, reduce)
+                    bool(has_aux), argnums, dtype, loop, reduce, gather,
+                    None if gather_dtype is None else jnp.dtype(gather_dtype))
     # fmt: on
 
     @jax.jit
@@ -177,7 +196,14 @@ def _accumulate(opts: _Options, params: Any, batch: Any, args: tuple) -> Any:
     batch_size, specs = shd.validate_batch(batch, k, mesh=mesh, batch_spec=opts.batch_spec)
     rng.check_args(opts.rng_argnums, args)
     grad_shardings = shd.leaf_shardings(opts.param_specs, params, mesh, what="param_specs")
-    manual = once.manual_axes_for(mesh, specs, grad_shardings) if opts.reduce == "once" else ()
+    fsdp = opts.gather != "per_minibatch"
+    manual = (
+        once.manual_axes_for(mesh, specs, grad_shardings, fsdp=fsdp)
+        if opts.reduce == "once"
+        else ()
+    )
+    n_params = len(jax.tree.leaves(params))
+    gathers = gather_once.plan(grad_shardings, n_params, manual) if fsdp and manual else None
 
     aux_shape = reductions = None
     if opts.has_aux:  # aux structure and reductions from shapes alone, before the loop
@@ -196,10 +222,13 @@ def _accumulate(opts: _Options, params: Any, batch: Any, args: tuple) -> Any:
     acc = Accumulator(reductions, aux_shape, grad_shardings)
     example_spec = P(specs[0][0] if mesh is not None and len(specs[0]) else None)
 
-    def local(params, batch, args, specs, vary):
-        carry, stacked_aux, loss_dtype = _loop(opts, acc, params, batch, args, specs, vary)
+    def local(params, batch, args, specs, vary, shards=None):
+        carry, stacked_aux, loss_dtype = _loop(
+            opts, acc, params, batch, args, specs, vary, gathers, shards
+        )
         if vary:  # reduce="once": the one reduction, after the loop
-            carry = once.psum_carry(carry, acc.reductions, vary)
+            unsharded = opts.gather == "once_unsharded"
+            carry = once.psum_carry(carry, acc.reductions, vary, gathers, unsharded)
         return acc.finish(carry, stacked_aux, loss_dtype, mesh, example_spec)
 
     if manual:
@@ -212,6 +241,8 @@ def _accumulate(opts: _Options, params: Any, batch: Any, args: tuple) -> Any:
             params=params,
             batch=batch,
             args=args,
+            gathers=gathers,
+            gather_dtype=opts.gather_dtype,
         )
     else:
         loss, aux, grads = local(params, batch, args, specs, ())
@@ -238,10 +269,13 @@ def _minibatch_args(opts: _Options, args: tuple, i, vary: tuple[str, ...] = ()) 
     return rng.fold_keys(opts.rng_argnums, args, i, vary)
 
 
-def _loop(opts, acc, params, batch, args, specs, vary):
+def _loop(opts, acc, params, batch, args, specs, vary, gathers=None, shards=None):
     """Run the k minibatches; returns (carry, stacked per-example aux, loss dtype).
 
-    Shapes here are global, or per-device along the manual axes `vary` (reduce="once")."""
+    Shapes here are global, or per-device along the manual axes `vary` (reduce="once").
+    gather="once": `params` are the gathered weights, `shards` their shards; each minibatch's
+    gradient is reduce-scattered to the shard ("once") or accumulated full-size."""
+    per_mb_scatter = gathers is not None and opts.gather == "once"
     k, mesh = opts.steps, opts.mesh
     leaves, treedef = jax.tree.flatten(batch)
     stacked = jax.tree.unflatten(
@@ -262,24 +296,31 @@ def _loop(opts, acc, params, batch, args, specs, vary):
         w_i = jnp.asarray(w_i, jnp.float32)
         if np.shape(w_i) != ():
             raise ValueError(f"weight_fn must return a scalar, got shape {np.shape(w_i)}")
-        g_i = acc.constrain_grads(jax.tree.map(lambda g: g.astype(jnp.float32), g_i))
-        return loss_i, aux_i, g_i, w_i
+        g_i = jax.tree.map(lambda g: g.astype(jnp.float32), g_i)
+        return loss_i, aux_i, g_i if per_mb_scatter else acc.constrain_grads(g_i), w_i
 
-    carry = acc.init(params)
+    def scatter(tree):  # gather="once": each weighted minibatch gradient to the shards
+        leaves, tdef = jax.tree.flatten(tree)
+        out = [gather_once.scatter(g, s) for g, s in zip(leaves, gathers, strict=True)]
+        return jax.tree.unflatten(tdef, out)
+
+    add = functools.partial(acc.add, scatter=scatter if per_mb_scatter else None)
+
+    carry = acc.init(shards if per_mb_scatter else params)
     if vary:  # carries hold per-device partial sums
         carry = jax.tree.map(lambda x: jax.lax.pcast(x, vary, to="varying"), carry)
     if opts.loop == "scan":
 
         def body(carry, xs):
             mb, i = xs
-            return acc.add(carry, *one_minibatch(mb, i))
+            return add(carry, *one_minibatch(mb, i))
 
         carry, stacked_aux = jax.lax.scan(body, carry, (stacked, jnp.arange(k)), length=k)
     else:
         pieces = []
         for i in range(k):
             mb = jax.tree.map(lambda x, i=i: x[i], stacked)
-            carry, per_example = acc.add(carry, *one_minibatch(mb, i))
+            carry, per_example = add(carry, *one_minibatch(mb, i))
             pieces.append(per_example)
         stacked_aux = jax.tree.map(lambda *xs: jnp.stack(xs), *pieces)
     return carry, stacked_aux, loss_dtype[0]

@@ -254,12 +254,15 @@ class Accumulator:
         ]
         return Carry(jnp.float32(0.0), jnp.float32(0.0), self.constrain_grads(zeros), aux)
 
-    def add(self, carry: Carry, loss_i, aux_i, g_i, w_i) -> tuple[Carry, list]:
-        """carry + minibatch i; also returns its per-example ("concat") aux leaves."""
+    def add(self, carry: Carry, loss_i, aux_i, g_i, w_i, scatter=None) -> tuple[Carry, list]:
+        """carry + minibatch i; also returns its per-example ("concat") aux leaves. `scatter`
+        (gather="once"): applied to the weighted gradient tree before it is added."""
         keep = w_i != 0
         loss = carry.loss + jnp.where(keep, w_i * jnp.asarray(loss_i).astype(jnp.float32), 0.0)
         weight = carry.weight + jnp.where(keep, w_i, 0.0)
-        grads = jax.tree.map(lambda a, g: a + jnp.where(keep, w_i * g, 0.0), carry.grads, g_i)
+        weighted = jax.tree.map(lambda g: jnp.where(keep, w_i * g, 0.0), g_i)
+        weighted = weighted if scatter is None else self.constrain_grads(scatter(weighted))
+        grads = jax.tree.map(jnp.add, carry.grads, weighted)
         new_aux, per_example = [], []
         xs = jax.tree.leaves(aux_i) if self.reductions else []
         for red, acc, x in zip(self.reductions, carry.aux, xs, strict=True):

@@ -22,9 +22,11 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from trn_accum.core import gather_once
 from trn_accum.core import sharding as shd
 from trn_accum.core.accumulator import Carry
 
@@ -41,9 +43,12 @@ def check_weight_fn(weight_fn: Callable | None) -> None:
         )
 
 
-def manual_axes_for(mesh: Mesh | None, batch_specs: list[P], grad_shardings: list | None):
+def manual_axes_for(
+    mesh: Mesh | None, batch_specs: list[P], grad_shardings: list | None, *, fsdp: bool = False
+):
     """The pure data-parallel axes: the leading mesh axes of the batch dimension's sharding
-    (the same for every batch leaf) up to the first one a parameter spec uses, leaving out
+    (the same for every batch leaf) up to the first one a parameter spec uses (all of them with
+    `fsdp`: gather="once" makes the FSDP axes manual too, `gather_once`), leaving out
     axes of size 1 (nothing to reduce over them; XLA's partitioner also rejects an all-reduce
     manual over only size-1 axes). () without a mesh or when no axis remains: then "once" is
     "per_minibatch"."""
@@ -63,14 +68,39 @@ def manual_axes_for(mesh: Mesh | None, batch_specs: list[P], grad_shardings: lis
     }
     manual = []
     for axis in next(iter(entries)):
-        if axis in used:
+        if axis in used and not fsdp:
             break
         if mesh.shape[axis] > 1:
             manual.append(axis)
     return tuple(manual)
 
 
-def psum_carry(carry: Carry, reductions: list[str], axes: tuple[str, ...]) -> Carry:
+def psum_grads(grads: Any, axes: tuple[str, ...], gathers=None, scatter: bool = False) -> Any:
+    """The gradient sums over `axes`; with `gathers` (gather="once", one `gather_once.Gather`
+    per leaf) a gathered leaf is first reduce-scattered over its gathered axes when `scatter`
+    (its carry is full-size: "once_unsharded"; "once" scattered every minibatch) and then
+    psum'd over the other axes only. One psum per distinct axis set."""
+    if gathers is None:
+        return jax.lax.psum(grads, axes)
+    leaves, treedef = jax.tree.flatten(grads)
+    out: list[Any] = list(leaves)
+    groups: dict[tuple[str, ...], list[int]] = {}
+    for i, (x, g) in enumerate(zip(leaves, gathers, strict=True)):
+        if scatter:
+            out[i] = gather_once.scatter(x, g)
+        done = {a for _, ax in g for a in ax}
+        groups.setdefault(tuple(a for a in axes if a not in done), []).append(i)
+    for rest, idx in groups.items():
+        if rest:
+            summed = jax.lax.psum([out[i] for i in idx], rest)
+            for i, v in zip(idx, summed, strict=True):
+                out[i] = v
+    return jax.tree.unflatten(treedef, out)
+
+
+def psum_carry(
+    carry: Carry, reductions: list[str], axes: tuple[str, ...], gathers=None, scatter=False
+) -> Carry:
     """The one reduction after the loop: sums psum'd, "max"/"min" aux pmax/pmin'd over `axes`
     ("concat" aux is per device already: the shard_map's out_specs stitch it)."""
 
@@ -81,7 +111,11 @@ def psum_carry(carry: Carry, reductions: list[str], axes: tuple[str, ...]) -> Ca
             return jax.lax.pmin(x, axes)
         return x if red == "concat" else jax.lax.psum(x, axes)
 
-    loss, weight, grads = jax.lax.psum((carry.loss, carry.weight, carry.grads), axes)
+    if gathers is None:  # one all-reduce for the sums and the gradients
+        loss, weight, grads = jax.lax.psum((carry.loss, carry.weight, carry.grads), axes)
+    else:
+        loss, weight = jax.lax.psum((carry.loss, carry.weight), axes)
+        grads = psum_grads(carry.grads, axes, gathers, scatter)
     aux = [reduce(red, x) for red, x in zip(reductions, carry.aux, strict=True)]
     return Carry(loss, weight, grads, aux)
 
@@ -96,13 +130,17 @@ def run_manual(
     params: Any,
     batch: Any,
     args: tuple,
+    gathers: list | None = None,
+    gather_dtype: Any = None,
 ) -> tuple:
     """`local(params, batch, args, inner_specs, manual)` -> (loss, aux, grads) inside a
     `shard_map` manual over `manual` only. Batch leaves enter split over the manual axes
     (per device [B/J, ...] with J their size), parameters and extra arguments replicated over
     them and cast to varying (so their gradients stay per-device partial sums); `inner_specs`
     are the batch specs without the manual axes. Outputs: loss, grads and reduced aux
-    replicated; per-example aux stitched over the manual axes."""
+    replicated; per-example aux stitched over the manual axes. With `gathers` (gather="once"):
+    a parameter sharded over manual axes enters as its shard, is gathered (`gather_once`) and
+    `local` also gets the shards (`shards=`); its gradient leaves sharded the same way."""
     entry = manual[0] if len(manual) == 1 else tuple(manual)
     inner_specs = [shd.drop_axes(s, manual) for s in batch_specs]
     b_leaves, b_def = jax.tree.flatten(batch)
@@ -113,16 +151,35 @@ def run_manual(
         else jax.tree.map(lambda r: P(entry) if r == "concat" else P(), reductions)
     )
 
+    p_leaves, p_def = jax.tree.flatten(params)
+    if gathers is None:
+        p_specs: Any = P()
+    else:
+        specs = [
+            gather_once.shard_spec(g, jnp.ndim(x)) for x, g in zip(p_leaves, gathers, strict=True)
+        ]
+        p_specs = jax.tree.unflatten(p_def, specs)
+
     def body(params, batch, *args):
-        params = jax.tree.map(lambda p: jax.lax.pcast(p, manual, to="varying"), params)
-        return local(params, batch, args, inner_specs, manual)
+        if gathers is None:
+            params = jax.tree.map(lambda p: jax.lax.pcast(p, manual, to="varying"), params)
+            return local(params, batch, args, inner_specs, manual)
+        shards = [gather_once.to_varying(x, manual) for x in jax.tree.leaves(params)]
+        full = [
+            gather_once.to_varying(gather_once.gather(x, g, gather_dtype), manual)
+            for x, g in zip(shards, gathers, strict=True)
+        ]
+        return local(
+            jax.tree.unflatten(p_def, full), batch, args, inner_specs, manual,
+            shards=jax.tree.unflatten(p_def, shards),
+        )  # fmt: skip
 
     try:
         return jax.shard_map(
             body,
             mesh=mesh,
-            in_specs=(P(), batch_in, *([P()] * len(args))),
-            out_specs=(P(), aux_out, P()),
+            in_specs=(p_specs, batch_in, *([P()] * len(args))),
+            out_specs=(P(), aux_out, p_specs),
             axis_names=set(manual),
         )(params, batch, *args)
     except ValueError as e:

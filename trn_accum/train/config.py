@@ -24,6 +24,7 @@ from typing import Any
 
 from trn_accum.core.accumulate import LOOPS as ACCUM_LOOPS
 from trn_accum.core.accumulate import REDUCES as GRAD_REDUCTIONS
+from trn_accum.core.gather_once import GATHERS
 from trn_accum.core.sharding import check_axis_sizes
 from trn_accum.errors import UserError
 from trn_accum.model.fuji import RULES, ModelConfig
@@ -94,6 +95,10 @@ class TrainerConfig:
     accum_steps: int | str = 1  # an int >= 1, or "auto" (smallest that fits memory_budget_gib)
     loop: str = field(default="scan", metadata=_choice(*ACCUM_LOOPS))  # minibatch loop
     reduce: str = field(default="per_minibatch", metadata=_choice(*GRAD_REDUCTIONS))
+    # FSDP weights: gathered in every minibatch (XLA), or once per step (needs reduce "once";
+    # trn_accum.core.gather_once): "once" reduce-scatters each minibatch's gradient,
+    # "once_unsharded" accumulates it full-size and reduce-scatters once
+    gather: str = field(default="per_minibatch", metadata=_choice(*GATHERS))
     log_every: int = 10
     eval_every: int = 0  # 0 = never
     seed: int = 0  # parameter init and per-step RNG
@@ -260,6 +265,12 @@ def _require(ok: bool, key: str, value: Any, rule: str) -> None:
 
 def _check_config(cfg: Config) -> None:
     m, mesh, d, o, t, c = cfg.model, cfg.mesh, cfg.data, cfg.optimizer, cfg.trainer, cfg.checkpoint
+    if t.gather != "per_minibatch" and t.reduce != "once":
+        raise ConfigError(
+            f'trainer.gather = {t.gather!r} needs trainer.reduce = "once" (the weights are '
+            f"gathered before the minibatch loop it runs manual over the batch axes), got "
+            f'{t.reduce!r}: set trainer.reduce = "once" or trainer.gather = "per_minibatch"'
+        )
 
     for name in (
         "vocab_size",

@@ -44,6 +44,7 @@ FREE_KEYS = frozenset(
         "trainer.accum_steps",
         "trainer.loop",
         "trainer.reduce",
+        "trainer.gather",
         "trainer.memory_budget_gib",
         "trainer.stop_after_nonfinite",
         "data.eval_batches",

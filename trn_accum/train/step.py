@@ -228,6 +228,8 @@ def make_train_step(cfg: Config, mesh, tx, lr_fn, specs, state_shardings):
         grad_dtype=jnp.float32,
         loop=cfg.trainer.loop,
         reduce=cfg.trainer.reduce,
+        gather=cfg.trainer.gather,  # the model casts every matrix to the compute dtype itself
+        gather_dtype=cfg.model.compute_dtype,
     )
 
     def step(state, batch):

@@ -1,0 +1,101 @@
+"""gather="once": FSDP weights gathered once per step and kept for the k minibatches.
+
+Under reduce="once" the minibatch loop runs inside a `shard_map` manual over the batch axes
+(`reduce_once`). With gather="per_minibatch" (the default) the axes that also shard parameters
+(FSDP: "fsdp") stay automatic, and XLA's partitioner all-gathers every weight inside every
+minibatch (forward, and again in the backward of a rematerialised layer) and reduces every
+minibatch's weight gradient over them. With gather="once" those axes are manual too:
+
+    w_local = w's shard; w_full = all_gather(w_local.astype(gather_dtype), fsdp)  # once
+    for i in range(k): g_i = grad(loss)(w_full, minibatch i on this device)      # local rows
+      "once":           acc += psum_scatter(g_i, fsdp)   # reduce-scattered per minibatch
+      "once_unsharded": acc += g_i                       # full-size float32 accumulator
+    "once_unsharded": acc = psum_scatter(acc, fsdp)      # one reduce-scatter per step
+    acc = psum(acc, data)                                # as reduce="once" does
+
+Numbers: the same sums in another order (float32), so the same gradients within float32
+rounding. With `gather_dtype` the weights travel in it (cast on the shard; bf16 halves the
+bytes) and are cast back after the gather: exact when `loss_fn` casts those weights to that
+dtype itself (a bf16 compute model). Memory per device: the gathered weights (full along the
+gathered axes: the `gather_dtype` buffer and its cast back); one minibatch's gradient at that
+full size; "once_unsharded" also a float32 accumulator of that size instead of the shard.
+
+Imports JAX (and numpy/stdlib) only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from trn_accum.core import sharding as shd
+
+__all__ = ["GATHERS", "Gather", "plan", "gather", "scatter", "shard_spec", "to_varying"]
+
+GATHERS = ("per_minibatch", "once", "once_unsharded")
+
+#: One leaf's gathered dimensions: ((dim, (mesh axes...)), ...); () = nothing gathered.
+Gather = tuple[tuple[int, tuple[str, ...]], ...]
+
+
+def plan(grad_shardings: Sequence | None, n_leaves: int, manual: Sequence[str]) -> list[Gather]:
+    """Per parameter leaf (`leaf_shardings` order), the dimensions its spec shards over the
+    manual axes `manual`: those are all-gathered before the loop."""
+    if grad_shardings is None:
+        return [()] * n_leaves
+    out = []
+    for ms in grad_shardings:
+        dims = []
+        for d, entry in enumerate(() if ms is None else ms[1]):
+            axes = tuple(a for a in shd.spec_axes(entry) if a in manual)
+            if axes:
+                dims.append((d, axes))
+        out.append(tuple(dims))
+    return out
+
+
+def shard_spec(g: Gather, ndim: int) -> P:
+    """The shard_map in/out spec of a leaf: split over its gathered axes only."""
+    entries: list[Any] = [None] * ndim
+    for d, axes in g:
+        entries[d] = axes[0] if len(axes) == 1 else axes
+    return P(*entries)
+
+
+def to_varying(x: jax.Array, manual: Sequence[str]) -> jax.Array:
+    """`x` marked varying over every axis of `manual` it is not varying over yet (per-device
+    partial sums stay local until the one reduction after the loop)."""
+    have = shd._varying_axes(x)
+    missing = tuple(a for a in manual if a not in have)
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
+def gather(x: jax.Array, g: Gather, dtype: Any) -> jax.Array:
+    """One leaf's shard -> full along its gathered dimensions (tiled all-gathers). With
+    `dtype` (and `x` floating) the shard is cast to it for the transfer and the result cast
+    back to x's dtype: the loss gets x's dtype holding `dtype`'s values, so each of its own
+    casts to `dtype` is exact and their gradients still add up in x's dtype (a bf16 gathered
+    weight used twice, like a tied embedding, would sum its cotangents in bf16)."""
+    if not g:
+        return x
+    home = x.dtype
+    narrow = dtype is not None and jnp.issubdtype(home, jnp.floating)
+    if narrow:
+        x = x.astype(dtype)
+    for d, axes in g:
+        x = jax.lax.all_gather(x, axes if len(axes) > 1 else axes[0], axis=d, tiled=True)
+    return x.astype(home) if narrow else x
+
+
+def scatter(x: jax.Array, g: Gather) -> jax.Array:
+    """A full-size (per-device partial) gradient -> this device's shard, summed over the
+    gathered axes (a tiled reduce-scatter per gathered dimension)."""
+    for d, axes in g:
+        x = jax.lax.psum_scatter(
+            x, axes if len(axes) > 1 else axes[0], scatter_dimension=d, tiled=True
+        )
+    return x
