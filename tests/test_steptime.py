@@ -269,7 +269,8 @@ def test_explore_tiny_candidates_and_recommendation(monkeypatch):
     assert st["fit_k"]["hybrid remat=none x2"] == [1, 2, 4]
     best = st["recommendation"]
     assert best["label"] == "hybrid x2 k=2 once remat=none"
-    assert any(r.startswith("remat = none over the config's: step 1.350 s vs 1.600 s") for r in best["reasons"]), best
+    why = "remat = none over the config's: step 1.350 s vs 1.600 s"
+    assert any(r.startswith(why) for r in best["reasons"]), best
     assert best["candidate"] in [c["candidate"] for c in st["candidates"]]
     assert best["candidate"]["mesh_shape"] == {"data": -1, "fsdp": 2, "model": 1}
     # weak scaling: 16 rows per node; 3 nodes (48 rows) is kept, every count is priced
