@@ -40,9 +40,9 @@ from jax.sharding import PartitionSpec as P
 from trn_accum.core import reduce_once as once
 from trn_accum.core import rng
 from trn_accum.core import sharding as shd
-from trn_accum.core.accumulator import (
+from trn_accum.core.accumulator import Accumulator, all_finite
+from trn_accum.core.reductions import (
     AUX_REDUCTIONS,
-    Accumulator,
     AuxReductionWarning,
     check_aux_reduction,
     choose_reductions,
@@ -68,6 +68,7 @@ class _Options:
     grad_dtype: Any
     loop: str
     reduce: str
+    skip_nonfinite: bool
 
 
 def accumulate_gradients(
@@ -84,6 +85,7 @@ def accumulate_gradients(
     grad_dtype: Any = None,
     loop: str = "scan",
     reduce: str = "per_minibatch",
+    skip_nonfinite: bool = False,
 ) -> Callable:
     """Wrap `loss_fn(params, batch, *args)` into `grad_fn(params, batch, *args)` that returns
     `(loss, grads)` (or `((loss, aux), grads)` with `has_aux`) as `jax.value_and_grad` does on
@@ -127,6 +129,11 @@ def accumulate_gradients(
         use `trn_accum.constrain`. Random draws differ between the modes: under "once"
         `loss_fn` sees one device's rows of minibatch i, gets `fold_in(fold_in(key, i), j)`
         (j: its index on the manual axes) and draws bits for that shape.
+      skip_nonfinite: drop, by selection (weight 0), every minibatch whose loss, weight or any
+        gradient element is not finite: the rest give the full batch's numbers over their rows
+        alone. grad_fn then returns `(value, grads, dropped)`, `dropped` an int32 count of the
+        dropped loss_fn calls (minibatches; under "once" minibatch × device pieces, each piece
+        judged on its own rows). All dropped: loss and grads NaN, as without the option.
 
     Returns:
       grad_fn(params, batch, *args); shapes are checked at trace time (ValueErrors name the
@@ -154,7 +161,7 @@ def accumulate_gradients(
     dtype = None if grad_dtype is None else jnp.dtype(grad_dtype)
     # fmt: off
     opts = _Options(loss_fn, steps, mesh, batch_spec, param_specs, weight_fn, aux_reduction,
-                    bool(has_aux), argnums, dtype, loop, reduce)
+                    bool(has_aux), argnums, dtype, loop, reduce, bool(skip_nonfinite))
     # fmt: on
 
     @jax.jit
@@ -200,10 +207,11 @@ def _accumulate(opts: _Options, params: Any, batch: Any, args: tuple) -> Any:
         carry, stacked_aux, loss_dtype = _loop(opts, acc, params, batch, args, specs, vary)
         if vary:  # reduce="once": the one reduction, after the loop
             carry = once.psum_carry(carry, acc.reductions, vary)
-        return acc.finish(carry, stacked_aux, loss_dtype, mesh, example_spec)
+        calls = k * int(np.prod([mesh.shape[a] for a in vary])) if opts.skip_nonfinite else None
+        return acc.finish(carry, stacked_aux, loss_dtype, mesh, example_spec, calls)
 
     if manual:
-        loss, aux, grads = once.run_manual(
+        loss, aux, grads, dropped = once.run_manual(
             local,
             mesh=mesh,
             manual=manual,
@@ -214,12 +222,13 @@ def _accumulate(opts: _Options, params: Any, batch: Any, args: tuple) -> Any:
             args=args,
         )
     else:
-        loss, aux, grads = local(params, batch, args, specs, ())
+        loss, aux, grads, dropped = local(params, batch, args, specs, ())
 
     dtype = opts.grad_dtype  # None: each parameter's (jnp.dtype objects are truthy)
     grads = jax.tree.map(lambda g, p: g.astype(dtype or jnp.result_type(p)), grads, params)
     grads = acc.constrain_grads(grads)
-    return ((loss, aux), grads) if opts.has_aux else (loss, grads)
+    value = (loss, aux) if opts.has_aux else loss
+    return (value, grads, dropped) if opts.skip_nonfinite else (value, grads)
 
 
 def _loss_with_aux(opts: _Options, p, mb, *a):
@@ -263,7 +272,13 @@ def _loop(opts, acc, params, batch, args, specs, vary):
         if np.shape(w_i) != ():
             raise ValueError(f"weight_fn must return a scalar, got shape {np.shape(w_i)}")
         g_i = acc.constrain_grads(jax.tree.map(lambda g: g.astype(jnp.float32), g_i))
-        return loss_i, aux_i, g_i, w_i
+        return (
+            loss_i,
+            aux_i,
+            g_i,
+            w_i,
+            all_finite(loss_i, w_i, g_i) if opts.skip_nonfinite else None,
+        )
 
     carry = acc.init(params)
     if vary:  # carries hold per-device partial sums

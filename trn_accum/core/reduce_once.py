@@ -71,8 +71,9 @@ def manual_axes_for(mesh: Mesh | None, batch_specs: list[P], grad_shardings: lis
 
 
 def psum_carry(carry: Carry, reductions: list[str], axes: tuple[str, ...]) -> Carry:
-    """The one reduction after the loop: sums psum'd, "max"/"min" aux pmax/pmin'd over `axes`
-    ("concat" aux is per device already: the shard_map's out_specs stitch it)."""
+    """The one reduction after the loop: sums (and the dropped count) psum'd, "max"/"min" aux
+    pmax/pmin'd over `axes` ("concat" aux is per device already: the shard_map's out_specs
+    stitch it; a "weighted" carry is a pair of sums)."""
 
     def reduce(red: str, x):
         if red == "max":
@@ -81,9 +82,10 @@ def psum_carry(carry: Carry, reductions: list[str], axes: tuple[str, ...]) -> Ca
             return jax.lax.pmin(x, axes)
         return x if red == "concat" else jax.lax.psum(x, axes)
 
-    loss, weight, grads = jax.lax.psum((carry.loss, carry.weight, carry.grads), axes)
+    sums = (carry.loss, carry.weight, carry.grads, carry.dropped)
+    loss, weight, grads, dropped = jax.lax.psum(sums, axes)
     aux = [reduce(red, x) for red, x in zip(reductions, carry.aux, strict=True)]
-    return Carry(loss, weight, grads, aux)
+    return Carry(loss, weight, grads, aux, dropped)
 
 
 def run_manual(
@@ -97,12 +99,12 @@ def run_manual(
     batch: Any,
     args: tuple,
 ) -> tuple:
-    """`local(params, batch, args, inner_specs, manual)` -> (loss, aux, grads) inside a
+    """`local(params, batch, args, inner_specs, manual)` -> (loss, aux, grads, dropped) in a
     `shard_map` manual over `manual` only. Batch leaves enter split over the manual axes
     (per device [B/J, ...] with J their size), parameters and extra arguments replicated over
     them and cast to varying (so their gradients stay per-device partial sums); `inner_specs`
-    are the batch specs without the manual axes. Outputs: loss, grads and reduced aux
-    replicated; per-example aux stitched over the manual axes."""
+    are the batch specs without the manual axes. Outputs: loss, grads, the dropped count and
+    reduced aux replicated; per-example aux stitched over the manual axes."""
     entry = manual[0] if len(manual) == 1 else tuple(manual)
     inner_specs = [shd.drop_axes(s, manual) for s in batch_specs]
     b_leaves, b_def = jax.tree.flatten(batch)
@@ -122,7 +124,7 @@ def run_manual(
             body,
             mesh=mesh,
             in_specs=(P(), batch_in, *([P()] * len(args))),
-            out_specs=(P(), aux_out, P()),
+            out_specs=(P(), aux_out, P(), P()),
             axis_names=set(manual),
         )(params, batch, *args)
     except ValueError as e:
