@@ -200,7 +200,7 @@ def _accumulate(opts: _Options, params: Any, batch: Any, args: tuple) -> Any:
         reductions = choose_reductions(
             opts.aux_reduction, aux_shape, batch_size // k, k, lambda: aux_at(batch_size)
         )
-    acc = Accumulator(reductions, aux_shape, grad_shardings)
+    acc = Accumulator(reductions, aux_shape, grad_shardings, opts.skip_nonfinite)
     example_spec = P(specs[0][0] if mesh is not None and len(specs[0]) else None)
 
     def local(params, batch, args, specs, vary):

@@ -39,7 +39,7 @@ class Carry(NamedTuple):
     weight: jax.Array  # Σ w_i, float32 []
     grads: Any  # Σ w_i·g_i, float32, params' structure
     aux: list  # one carry per aux leaf (None for "concat": stacked by the loop instead)
-    dropped: jax.Array  # int32 []: loss_fn calls dropped as non-finite (skip_nonfinite)
+    dropped: Any  # float32 []: loss_fn calls dropped as non-finite (None: not counted)
 
 
 def _identity(red: str, dtype: Any) -> Any:
@@ -65,10 +65,11 @@ class Accumulator:
     """init / add / finish of the carry. `reductions` and `aux_shape` are trees like aux (None
     without aux; WeightedScalar nodes are leaves); `grad_shardings` is
     `shd.leaf_shardings(param_specs, params, ...)`: the gradient sums are constrained to the
-    parameters' shardings after every step."""
+    parameters' shardings after every step. `count_dropped` (skip_nonfinite) carries the
+    dropped count (float32, so that reduce="once" sums it in the one float32 psum)."""
 
-    def __init__(self, reductions: Any, aux_shape: Any, grad_shardings: list | None):
-        self.aux_shape = aux_shape
+    def __init__(self, reductions, aux_shape, grad_shardings: list | None, count_dropped=False):
+        self.aux_shape, self.count_dropped = aux_shape, count_dropped
         self.grad_shardings = grad_shardings
         self.reductions = [] if reductions is None else jax.tree.leaves(reductions)
         self.shapes = [] if aux_shape is None else _aux_leaves(aux_shape)
@@ -80,7 +81,8 @@ class Accumulator:
         zeros = jax.tree.map(lambda p: jnp.zeros(np.shape(p), jnp.float32), params)
         aux = [_init_aux(red, s) for red, s in zip(self.reductions, self.shapes, strict=True)]
         f0 = jnp.float32(0.0)
-        return Carry(f0, f0, self.constrain_grads(zeros), aux, jnp.int32(0))
+        dropped = f0 if self.count_dropped else None
+        return Carry(f0, f0, self.constrain_grads(zeros), aux, dropped)
 
     def add(self, carry: Carry, loss_i, aux_i, g_i, w_i, ok_i=None) -> tuple[Carry, list]:
         """carry + minibatch i; also returns its per-example ("concat") aux leaves. `ok_i`
@@ -100,13 +102,13 @@ class Accumulator:
                 new_aux.append(summaries.add(acc, x, ok_i))
             else:
                 new_aux.append(_add_aux(red, acc, x, w_i, keep, ok_i))
-        dropped = carry.dropped if ok_i is None else carry.dropped + jnp.where(ok_i, 0, 1)
+        dropped = carry.dropped if ok_i is None else carry.dropped + jnp.where(ok_i, 0.0, 1.0)
         return Carry(loss, weight, self.constrain_grads(grads), new_aux, dropped), per_example
 
     def finish(
         self, carry: Carry, stacked_aux: list, loss_dtype, mesh, example_spec, calls=None
     ) -> tuple:
-        """(loss, aux, grads float32, dropped): the sums divided by Σ w (0 when Σ w = 0);
+        """(loss, aux, grads float32, dropped int32): the sums divided by Σ w (0 when Σ w = 0);
         per-example aux [k, B/k, ...] merged back to [B, ...] and constrained to
         `example_spec`. `calls` (skip_nonfinite): the number of loss_fn calls; when all of them
         were dropped, loss and grads are NaN (no finite value remained), not 0."""
@@ -120,8 +122,9 @@ class Accumulator:
             loss = jnp.where(none_left, jnp.nan, loss)
             grads = jax.tree.map(lambda g: jnp.where(none_left, jnp.nan, g), grads)
         loss, grads = loss.astype(loss_dtype), self.constrain_grads(grads)
+        dropped = jnp.int32(0) if carry.dropped is None else carry.dropped.astype(jnp.int32)
         if self.aux_shape is None:
-            return loss, None, grads, carry.dropped
+            return loss, None, grads, dropped
         out, per_example = [], iter(stacked_aux or [])
         for red, s, acc in zip(self.reductions, self.shapes, carry.aux, strict=True):
             if red == "concat":
@@ -134,7 +137,7 @@ class Accumulator:
             else:
                 out.append(acc.astype(s.dtype))
         aux = jax.tree.unflatten(summaries.aux_structure(self.aux_shape), out)
-        return loss, aux, grads, carry.dropped
+        return loss, aux, grads, dropped
 
 
 def _aux_leaves(aux: Any) -> list:
