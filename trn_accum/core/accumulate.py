@@ -16,7 +16,8 @@ Exactness: for a loss that is a weighted mean over its batch with weight w_i per
 full-batch loss is Σ w_i L_i / Σ w_i, and so are the gradients; a mean of minibatch means is
 wrong when the w_i differ. Zero-weight minibatches are dropped by selection (`jnp.where`), not by
 multiplication, so a NaN loss of an all-padding minibatch (0/0) does not leak (0 * NaN = NaN).
-The carry and the aux reductions live in `accumulator`; `reduce="once"` in `reduce_once`.
+The carry lives in `accumulator`, the aux reductions in `reductions` (`WeightedScalar`:
+`summaries`), `reduce="once"` in `reduce_once`, the threaded state (`state_argnum`) in `state`.
 
 Everything it emits is static: a fixed-length `lax.scan` or straight-line code, no `lax.cond`,
 no host callbacks, no data-dependent loop bounds (Neuron constraints).
@@ -40,12 +41,13 @@ from jax.sharding import PartitionSpec as P
 from trn_accum.core import reduce_once as once
 from trn_accum.core import rng
 from trn_accum.core import sharding as shd
+from trn_accum.core import state as st
 from trn_accum.core.accumulator import Accumulator, all_finite
 from trn_accum.core.reductions import (
     AUX_REDUCTIONS,
     AuxReductionWarning,
     check_aux_reduction,
-    choose_reductions,
+    plan_aux,
 )
 
 __all__ = ["AUX_REDUCTIONS", "LOOPS", "REDUCES", "AuxReductionWarning", "accumulate_gradients"]
@@ -69,6 +71,7 @@ class _Options:
     loop: str
     reduce: str
     skip_nonfinite: bool
+    state_argnum: int | None
 
 
 def accumulate_gradients(
@@ -86,6 +89,7 @@ def accumulate_gradients(
     loop: str = "scan",
     reduce: str = "per_minibatch",
     skip_nonfinite: bool = False,
+    state_argnum: int | None = None,
 ) -> Callable:
     """Wrap `loss_fn(params, batch, *args)` into `grad_fn(params, batch, *args)` that returns
     `(loss, grads)` (or `((loss, aux), grads)` with `has_aux`) as `jax.value_and_grad` does on
@@ -107,33 +111,32 @@ def accumulate_gradients(
         its parameter (missing axis, dimension not divisible by the axis sizes) is a ValueError.
       weight_fn: `weight_fn(minibatch) -> scalar` weight w_i (e.g. the number of real target
         tokens); None = equal weights. Weights should be >= 0; w_i == 0 drops minibatch i.
-      aux_reduction: how aux leaves are combined over minibatches (see `accumulator`): one of
-        "mean" (weighted like the loss), "sum", "max", "min", "concat" (per-example leaves
-        stitched back in row order), for every leaf; or a dict/pytree naming a subset of aux
-        ({"tokens": "sum"}; None = the default); or a callable `(key_path) -> str | None`.
-        A name matching no aux leaf is a ValueError. Default: scalars -> "mean", warning with
-        an `AuxReductionWarning` when k > 1 unless named; leaves whose axis 0 follows the batch
-        size -> "concat"; a leaf whose axis 0 only equals B/k by coincidence -> ValueError.
+      aux_reduction: how aux leaves combine (`reductions`): "mean" (weighted like the loss),
+        "sum", "max", "min" or "concat" (per-example, stitched in row order) for every leaf; a
+        dict/pytree naming a subset ({"tokens": "sum"}); or a callable `(key_path) -> str |
+        None`. Default: scalars "mean" (an `AuxReductionWarning` when k > 1), per-example
+        leaves "concat". `WeightedScalar` nodes combine by their own weights, unnamed.
       has_aux: `loss_fn` returns `(loss, aux)`.
-      rng_argnum: index (or tuple of indices) into grad_fn's positional arguments (params = 0,
-        batch = 1, so >= 2) of PRNG keys; minibatch i receives `jax.random.fold_in(key, i)`
-        for each.
+      rng_argnum: index or tuple of indices (>= 2: params = 0, batch = 1) of grad_fn's PRNG
+        key arguments; minibatch i receives `jax.random.fold_in(key, i)` for each.
       grad_dtype: dtype of the returned gradients; None (default): each parameter's dtype, as
         `jax.value_and_grad` returns. Accumulation is float32 regardless.
       loop: "scan" (fixed-length `lax.scan`: memory of one minibatch) or "unroll" (a Python
         loop: every slice static, nothing stacked at a loop index). Same numbers.
       reduce: "per_minibatch" (default: XLA reduces every minibatch's gradient across devices)
         or "once": one psum after the loop over the pure data-parallel axes (`reduce_once`).
-        "once" needs an explicit, row-additive `weight_fn`; it then gives the numbers of
-        "per_minibatch" whenever those are the full batch's. Constraints inside `loss_fn` must
-        use `trn_accum.constrain`. Random draws differ between the modes: under "once"
-        `loss_fn` sees one device's rows of minibatch i, gets `fold_in(fold_in(key, i), j)`
-        (j: its index on the manual axes) and draws bits for that shape.
+        "once" needs an explicit, row-additive `weight_fn` (then it gives "per_minibatch"'s
+        numbers) and `trn_accum.constrain` inside `loss_fn`; `loss_fn` sees one device's rows
+        of minibatch i and its keys get `fold_in(fold_in(key, i), j)` (j: the device index).
       skip_nonfinite: drop, by selection (weight 0), every minibatch whose loss, weight or any
         gradient element is not finite: the rest give the full batch's numbers over their rows
         alone. grad_fn then returns `(value, grads, dropped)`, `dropped` an int32 count of the
         dropped loss_fn calls (minibatches; under "once" minibatch × device pieces, each piece
         judged on its own rows). All dropped: loss and grads NaN, as without the option.
+      state_argnum: index (>= 2) of a non-parameter state argument (batch statistics, NNX
+        `Rngs` counters) threaded through the minibatches in order (`core/state.py`): loss_fn
+        returns `(loss, (aux, new_state))`, minibatch i gets minibatch i-1's new state, and
+        grad_fn returns `((loss, (aux, final_state)), grads)`. Needs has_aux, per_minibatch.
 
     Returns:
       grad_fn(params, batch, *args); shapes are checked at trace time (ValueErrors name the
@@ -147,6 +150,7 @@ def accumulate_gradients(
     if reduce == "once":
         once.check_weight_fn(weight_fn)
     argnums = rng.check_rng_argnum(rng_argnum)
+    state_argnum = st.check_state_argnum(state_argnum, argnums, has_aux, reduce)
     shd.check_batch_spec_has_mesh(batch_spec, mesh)
     if mesh is not None:
         shd.check_auto_mesh(mesh)
@@ -161,7 +165,8 @@ def accumulate_gradients(
     dtype = None if grad_dtype is None else jnp.dtype(grad_dtype)
     # fmt: off
     opts = _Options(loss_fn, steps, mesh, batch_spec, param_specs, weight_fn, aux_reduction,
-                    bool(has_aux), argnums, dtype, loop, reduce, bool(skip_nonfinite))
+                    bool(has_aux), argnums, dtype, loop, reduce, bool(skip_nonfinite),
+                    state_argnum)
     # fmt: on
 
     @jax.jit
@@ -185,70 +190,62 @@ def _accumulate(opts: _Options, params: Any, batch: Any, args: tuple) -> Any:
     rng.check_args(opts.rng_argnums, args)
     grad_shardings = shd.leaf_shardings(opts.param_specs, params, mesh, what="param_specs")
     manual = once.manual_axes_for(mesh, specs, grad_shardings) if opts.reduce == "once" else ()
-
-    aux_shape = reductions = None
-    if opts.has_aux:  # aux structure and reductions from shapes alone, before the loop
-
-        def aux_at(rows: int) -> Any:
-            shaped = jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype), batch
-            )
-            loss_aux = functools.partial(_loss_with_aux, opts)
-            return jax.eval_shape(loss_aux, params, shaped, *_minibatch_args(opts, args, 0))[1]
-
-        aux_shape = aux_at(batch_size // k)
-        reductions = choose_reductions(
-            opts.aux_reduction, aux_shape, batch_size // k, k, lambda: aux_at(batch_size)
-        )
+    aux_shape, reductions = _plan_aux(opts, params, batch, args, batch_size)
     acc = Accumulator(reductions, aux_shape, grad_shardings, opts.skip_nonfinite)
     example_spec = P(specs[0][0] if mesh is not None and len(specs[0]) else None)
 
     def local(params, batch, args, specs, vary):
-        carry, stacked_aux, loss_dtype = _loop(opts, acc, params, batch, args, specs, vary)
+        carry, stacked_aux, loss_dtype, state = _loop(opts, acc, params, batch, args, specs, vary)
         if vary:  # reduce="once": the one reduction, after the loop
             carry = once.psum_carry(carry, acc.reductions, vary)
         calls = k * int(np.prod([mesh.shape[a] for a in vary])) if opts.skip_nonfinite else None
-        return acc.finish(carry, stacked_aux, loss_dtype, mesh, example_spec, calls)
+        return acc.finish(carry, stacked_aux, loss_dtype, mesh, example_spec, calls), state
 
-    if manual:
-        loss, aux, grads, dropped = once.run_manual(
-            local,
-            mesh=mesh,
-            manual=manual,
-            batch_specs=specs,
-            reductions=reductions,
-            params=params,
-            batch=batch,
-            args=args,
-        )
+    if manual:  # state_argnum is per_minibatch only: no state
+        # fmt: off
+        (loss, aux, grads, dropped), state = once.run_manual(
+            lambda *a: local(*a)[0], mesh=mesh, manual=manual, batch_specs=specs,
+            reductions=reductions, params=params, batch=batch, args=args), None
+        # fmt: on
     else:
-        loss, aux, grads, dropped = local(params, batch, args, specs, ())
+        (loss, aux, grads, dropped), state = local(params, batch, args, specs, ())
 
     dtype = opts.grad_dtype  # None: each parameter's (jnp.dtype objects are truthy)
     grads = jax.tree.map(lambda g, p: g.astype(dtype or jnp.result_type(p)), grads, params)
     grads = acc.constrain_grads(grads)
+    if opts.state_argnum is not None:
+        aux = (aux, state)
     value = (loss, aux) if opts.has_aux else loss
     return (value, grads, dropped) if opts.skip_nonfinite else (value, grads)
 
 
-def _loss_with_aux(opts: _Options, p, mb, *a):
-    out = opts.loss_fn(p, mb, *a)
+def _plan_aux(opts: _Options, params, batch, args, batch_size: int) -> tuple:
+    """(aux shapes, reductions), or (None, None) without aux, from shapes alone (`plan_aux`);
+    checks the new state's shapes (`state_argnum`)."""
     if not opts.has_aux:
-        return out, None
-    if not (isinstance(out, (tuple, list)) and len(out) == 2):
-        raise ValueError(
-            f"has_aux=True but loss_fn did not return a (loss, aux) pair: got {type(out).__name__}"
-        )
-    return out[0], out[1]
+        return None, None
+
+    def outputs_at(rows: int) -> tuple:  # (aux, new state) shapes at `rows` rows
+        shaped = jax.tree.map(lambda x: jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype), batch)
+        loss_aux = functools.partial(_loss_with_aux, opts)
+        return jax.eval_shape(loss_aux, params, shaped, *rng.fold_keys(opts.rng_argnums, args, 0))[
+            1
+        ]
+
+    if opts.state_argnum is not None:  # ValueErrors: no such argument, or a state that changes
+        state = st.state_arg(args, opts.state_argnum)
+        st.check_state_out(outputs_at(batch_size // opts.steps)[1], state)
+    return plan_aux(opts.aux_reduction, lambda rows: outputs_at(rows)[0], batch_size, opts.steps)
 
 
-def _minibatch_args(opts: _Options, args: tuple, i, vary: tuple[str, ...] = ()) -> tuple:
-    """args with each PRNG key of `rng_argnum` folded per minibatch (`rng.fold_keys`)."""
-    return rng.fold_keys(opts.rng_argnums, args, i, vary)
+def _loss_with_aux(opts: _Options, p, mb, *a) -> tuple:
+    """(loss, (aux, new state)) of loss_fn (aux, state None when absent; `state.loss_output`)."""
+    return st.loss_output(opts.loss_fn(p, mb, *a), opts.has_aux, opts.state_argnum is not None)
 
 
 def _loop(opts, acc, params, batch, args, specs, vary):
-    """Run the k minibatches; returns (carry, stacked per-example aux, loss dtype).
+    """Run the k minibatches; returns (carry, stacked per-example aux, loss dtype, the state
+    after the last one, or None: `state_argnum`).
 
     Shapes here are global, or per-device along the manual axes `vary` (reduce="once")."""
     k, mesh = opts.steps, opts.mesh
@@ -259,42 +256,43 @@ def _loop(opts, acc, params, batch, args, specs, vary):
     vg = jax.value_and_grad(functools.partial(_loss_with_aux, opts), has_aux=True)
     loss_dtype = []  # filled while the body is traced
 
-    def one_minibatch(mb, i):
-        """(loss_i, aux_i, grads_i float32, w_i) of minibatch i; grads constrained."""
+    def one_minibatch(mb, i, state):
+        """((loss_i, aux_i, grads_i float32, w_i, ok_i), state after it) of minibatch i."""
         mb = jax.tree.unflatten(
             treedef,
             [shd.constrain(x, mesh, s) for x, s in zip(jax.tree.leaves(mb), specs, strict=True)],
         )
-        (loss_i, aux_i), g_i = vg(params, mb, *_minibatch_args(opts, args, i, vary))
+        args_i = st.with_state(
+            rng.fold_keys(opts.rng_argnums, args, i, vary), opts.state_argnum, state
+        )
+        (loss_i, (aux_i, new_state)), g_i = vg(params, mb, *args_i)
         loss_dtype.append(jnp.result_type(loss_i))
         w_i = jnp.float32(1.0) if opts.weight_fn is None else opts.weight_fn(mb)
         w_i = jnp.asarray(w_i, jnp.float32)
         if np.shape(w_i) != ():
             raise ValueError(f"weight_fn must return a scalar, got shape {np.shape(w_i)}")
         g_i = acc.constrain_grads(jax.tree.map(lambda g: g.astype(jnp.float32), g_i))
-        return (
-            loss_i,
-            aux_i,
-            g_i,
-            w_i,
-            all_finite(loss_i, w_i, g_i) if opts.skip_nonfinite else None,
-        )
+        ok_i = all_finite(loss_i, w_i, g_i) if opts.skip_nonfinite else None
+        return (loss_i, aux_i, g_i, w_i, ok_i), st.select(ok_i, new_state, state)
 
+    state = st.state_arg(args, opts.state_argnum)
     carry = acc.init(params)
     if vary:  # carries hold per-device partial sums
         carry = jax.tree.map(lambda x: jax.lax.pcast(x, vary, to="varying"), carry)
     if opts.loop == "scan":
 
-        def body(carry, xs):
-            mb, i = xs
-            return acc.add(carry, *one_minibatch(mb, i))
+        def body(c, xs):
+            parts, state = one_minibatch(*xs, c[1])
+            carry, per_example = acc.add(c[0], *parts)
+            return (carry, state), per_example
 
-        carry, stacked_aux = jax.lax.scan(body, carry, (stacked, jnp.arange(k)), length=k)
+        xs = (stacked, jnp.arange(k))
+        (carry, state), stacked_aux = jax.lax.scan(body, (carry, state), xs, length=k)
     else:
         pieces = []
         for i in range(k):
-            mb = jax.tree.map(lambda x, i=i: x[i], stacked)
-            carry, per_example = acc.add(carry, *one_minibatch(mb, i))
+            parts, state = one_minibatch(jax.tree.map(lambda x, i=i: x[i], stacked), i, state)
+            carry, per_example = acc.add(carry, *parts)
             pieces.append(per_example)
         stacked_aux = jax.tree.map(lambda *xs: jnp.stack(xs), *pieces)
-    return carry, stacked_aux, loss_dtype[0]
+    return carry, stacked_aux, loss_dtype[0], state

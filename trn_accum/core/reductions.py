@@ -26,7 +26,13 @@ import numpy as np
 
 from trn_accum.core import summaries
 
-__all__ = ["AUX_REDUCTIONS", "AuxReductionWarning", "check_aux_reduction", "choose_reductions"]
+__all__ = [
+    "AUX_REDUCTIONS",
+    "AuxReductionWarning",
+    "check_aux_reduction",
+    "choose_reductions",
+    "plan_aux",
+]
 
 AUX_REDUCTIONS = ("mean", "sum", "max", "min", "concat")
 
@@ -104,6 +110,16 @@ def _suggest(path: tuple, red: str) -> str:
     for name in reversed(_names(path)):
         out = f"{{{name!r}: {out}}}"
     return out
+
+
+def plan_aux(spec: Any, aux_at: Callable[[int], Any], batch_size: int, steps: int) -> tuple:
+    """(aux shapes on one minibatch, reductions): `aux_at(rows)` gives aux shapes at `rows`
+    rows (`jax.eval_shape`); the full batch's are traced only to check a default "concat"."""
+    minibatch = batch_size // steps
+    aux_shape = aux_at(minibatch)
+    return aux_shape, choose_reductions(
+        spec, aux_shape, minibatch, steps, lambda: aux_at(batch_size)
+    )
 
 
 def choose_reductions(
