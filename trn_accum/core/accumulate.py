@@ -227,10 +227,8 @@ def _plan_aux(opts: _Options, params, batch, args, batch_size: int) -> tuple:
 
     def outputs_at(rows: int) -> tuple:  # (aux, new state) shapes at `rows` rows
         shaped = jax.tree.map(lambda x: jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype), batch)
-        loss_aux = functools.partial(_loss_with_aux, opts)
-        return jax.eval_shape(loss_aux, params, shaped, *rng.fold_keys(opts.rng_argnums, args, 0))[
-            1
-        ]
+        args0 = rng.fold_keys(opts.rng_argnums, args, 0)
+        return jax.eval_shape(functools.partial(_loss_with_aux, opts), params, shaped, *args0)[1]
 
     if opts.state_argnum is not None:  # ValueErrors: no such argument, or a state that changes
         state = st.state_arg(args, opts.state_argnum)
