@@ -296,6 +296,7 @@ def test_tiny_run_trains_evaluates_checkpoints(done_run):
     assert tr[9]["lr"] == pytest.approx(3e-3, rel=1e-3)
     for key in ("grad_norm", "tokens_per_s", "step_time_s", "skipped_steps", "target_tokens"):
         assert key in tr[-1]
+    assert all(r["dropped_minibatches"] == 0 for r in tr)  # logged every step; none dropped
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["12", "24"]
     assert json.loads((run / "config.json").read_text())["trainer"]["steps"] == 24
     # Lines are complete JSON objects.

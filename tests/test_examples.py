@@ -12,8 +12,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLES = sorted(p.name for p in (ROOT / "examples").glob("*.py"))
 
 
-def test_the_three_examples_are_there():
-    assert EXAMPLES == ["equinox_mlp.py", "flax_nnx.py", "optax_step.py"]
+def test_the_four_examples_are_there():
+    assert EXAMPLES == ["axlearn_style.py", "equinox_mlp.py", "flax_nnx.py", "optax_step.py"]
 
 
 @pytest.mark.parametrize("name", EXAMPLES)

@@ -71,6 +71,34 @@ def _check_nonfinite_step_is_skipped_and_counted(tiny_k4):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("reduce", ["per_minibatch", "once"])
+def test_nonfinite_minibatch_is_dropped_not_the_step(reduce):
+    """k = 4: a NaN target mask on minibatch 1's rows (1::4; its loss and weight NaN) drops that
+    minibatch only: the step is applied (not skipped), counts 1 in `dropped_minibatches` (4 =
+    every loss_fn call of it under "once": manual over data = 4) and equals the step with those
+    rows' mask 0 (which weight_fn drops as zero weight), loss, gradient norm and parameters."""
+    cfg = load_config(TINY, F32 + ["trainer.accum_steps=4", f"trainer.reduce={reduce}"])
+    trainer = loop.Trainer.build(cfg)
+    batch = jax.device_get(trainer.batch(0))
+    out = {}
+    for name, value in (("nan", np.nan), ("zero", 0.0)):
+        mask = np.array(batch["target_mask"])
+        mask[1::4] = value
+        new, m = trainer.step(trainer.init(), dict(batch, target_mask=mask))
+        out[name] = jax.device_get((new, m))
+    (new_nan, m_nan), (new_zero, m_zero) = out["nan"], out["zero"]
+    assert int(m_nan["dropped_minibatches"]) == (4 if reduce == "once" else 1)
+    assert int(m_zero["dropped_minibatches"]) == 0
+    assert int(new_nan["skipped"]) == int(new_zero["skipped"]) == 0
+    for key in ("loss", "grad_norm", "target_tokens"):
+        assert math.isfinite(float(m_nan[key])), key
+        np.testing.assert_allclose(float(m_nan[key]), float(m_zero[key]), rtol=1e-6, err_msg=key)
+    nan_params, zero_params = (jax.tree.leaves(n["params"]) for n in (new_nan, new_zero))
+    for a, b in zip(nan_params, zero_params, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
 def _check_compiled_step_no_conditional_donated_and_sharded(tiny_k4):
     text = tiny_k4.program.compiled.as_text()
     assert not hlo.parse_hlo(text).find("conditional")

@@ -2,7 +2,7 @@
 
 The public API is the accumulation core (`trn_accum.core`):
 
-    from trn_accum import accumulate_gradients, build_mesh
+    from trn_accum import accumulate_gradients, build_mesh, WeightedScalar
 
 The Fuji model (`trn_accum.model`), the trainer (`trn_accum.train`), the Neuron support
 (`trn_accum.neuron`), the compiled-program analysis (`trn_accum.analysis`), the launchers
@@ -10,6 +10,7 @@ The Fuji model (`trn_accum.model`), the trainer (`trn_accum.train`), the Neuron 
 """
 
 from trn_accum.core import (
+    WeightedScalar,
     accumulate_gradients,
     build_mesh,
     constrain,
@@ -19,6 +20,7 @@ from trn_accum.core import (
 )
 
 __all__ = [
+    "WeightedScalar",
     "accumulate_gradients",
     "build_mesh",
     "constrain",

@@ -16,7 +16,8 @@ Exactness: for a loss that is a weighted mean over its batch with weight w_i per
 full-batch loss is Σ w_i L_i / Σ w_i, and so are the gradients; a mean of minibatch means is
 wrong when the w_i differ. Zero-weight minibatches are dropped by selection (`jnp.where`), not by
 multiplication, so a NaN loss of an all-padding minibatch (0/0) does not leak (0 * NaN = NaN).
-The carry and the aux reductions live in `accumulator`; `reduce="once"` in `reduce_once`.
+The carry lives in `accumulator`, the aux reductions in `reductions` (`WeightedScalar`:
+`summaries`), `reduce="once"` in `reduce_once`, the threaded state (`state_argnum`) in `state`.
 
 Everything it emits is static: a fixed-length `lax.scan` or straight-line code, no `lax.cond`,
 no host callbacks, no data-dependent loop bounds (Neuron constraints).
@@ -40,16 +41,24 @@ from jax.sharding import PartitionSpec as P
 from trn_accum.core import gather_once, rng
 from trn_accum.core import reduce_once as once
 from trn_accum.core import sharding as shd
-from trn_accum.core.accumulator import (
+from trn_accum.core import state as st
+from trn_accum.core.accumulator import Accumulator, all_finite, minibatch_weight
+from trn_accum.core.reductions import (
     AUX_REDUCTIONS,
-    Accumulator,
     AuxReductionWarning,
     check_aux_reduction,
-    choose_reductions,
 )
 
-__all__ = ["AUX_REDUCTIONS", "LOOPS", "REDUCES", "AuxReductionWarning", "accumulate_gradients"]
+__all__ = [
+    "AUX_REDUCTIONS",
+    "GATHERS",
+    "LOOPS",
+    "REDUCES",
+    "AuxReductionWarning",
+    "accumulate_gradients",
+]
 
+GATHERS = gather_once.GATHERS
 LOOPS = ("scan", "unroll")
 REDUCES = ("per_minibatch", "once")
 
@@ -68,8 +77,9 @@ class _Options:
     grad_dtype: Any
     loop: str
     reduce: str
-    gather: str = "per_minibatch"
-    gather_dtype: Any = None
+    skip_nonfinite: bool
+    state_argnum: int | None
+    gather: tuple  # (mode, dtype): `gather_once`
 
 
 def accumulate_gradients(
@@ -86,6 +96,8 @@ def accumulate_gradients(
     grad_dtype: Any = None,
     loop: str = "scan",
     reduce: str = "per_minibatch",
+    skip_nonfinite: bool = False,
+    state_argnum: int | None = None,
     gather: str = "per_minibatch",
     gather_dtype: Any = None,
 ) -> Callable:
@@ -109,33 +121,34 @@ def accumulate_gradients(
         its parameter (missing axis, dimension not divisible by the axis sizes) is a ValueError.
       weight_fn: `weight_fn(minibatch) -> scalar` weight w_i (e.g. the number of real target
         tokens); None = equal weights. Weights should be >= 0; w_i == 0 drops minibatch i.
-      aux_reduction: how aux leaves are combined over minibatches (see `accumulator`): one of
-        "mean" (weighted like the loss), "sum", "max", "min", "concat" (per-example leaves
-        stitched back in row order), for every leaf; or a dict/pytree naming a subset of aux
-        ({"tokens": "sum"}; None = the default); or a callable `(key_path) -> str | None`.
-        A name matching no aux leaf is a ValueError. Default: scalars -> "mean", warning with
-        an `AuxReductionWarning` when k > 1 unless named; leaves whose axis 0 follows the batch
-        size -> "concat"; a leaf whose axis 0 only equals B/k by coincidence -> ValueError.
+      aux_reduction: how aux leaves combine (`reductions`): "mean" (weighted like the loss),
+        "sum", "max", "min" or "concat" (per-example, stitched in row order) for every leaf; a
+        dict/pytree naming a subset ({"tokens": "sum"}); or a callable `(key_path) -> str |
+        None`. Default: scalars "mean" (an `AuxReductionWarning` when k > 1), per-example
+        leaves "concat". `WeightedScalar` nodes combine by their own weights, unnamed.
       has_aux: `loss_fn` returns `(loss, aux)`.
-      rng_argnum: index (or tuple of indices) into grad_fn's positional arguments (params = 0,
-        batch = 1, so >= 2) of PRNG keys; minibatch i receives `jax.random.fold_in(key, i)`
-        for each.
+      rng_argnum: index or tuple of indices (>= 2: params = 0, batch = 1) of grad_fn's PRNG
+        key arguments; minibatch i receives `jax.random.fold_in(key, i)` for each.
       grad_dtype: dtype of the returned gradients; None (default): each parameter's dtype, as
         `jax.value_and_grad` returns. Accumulation is float32 regardless.
       loop: "scan" (fixed-length `lax.scan`: memory of one minibatch) or "unroll" (a Python
         loop: every slice static, nothing stacked at a loop index). Same numbers.
       reduce: "per_minibatch" (default: XLA reduces every minibatch's gradient across devices)
         or "once": one psum after the loop over the pure data-parallel axes (`reduce_once`).
-        "once" needs an explicit, row-additive `weight_fn`; it then gives the numbers of
-        "per_minibatch" whenever those are the full batch's. Constraints inside `loss_fn` must
-        use `trn_accum.constrain`. Random draws differ between the modes: under "once"
-        `loss_fn` sees one device's rows of minibatch i, gets `fold_in(fold_in(key, i), j)`
-        (j: its index on the manual axes) and draws bits for that shape.
-      gather: with reduce="once", "per_minibatch" (default: XLA gathers FSDP-sharded weights in
-        every minibatch), "once" (gathered once before the loop, each minibatch's gradient
-        reduce-scattered) or "once_unsharded" (also accumulated full-size, reduce-scattered
-        once); `gather_once`. gather_dtype: the gathered weights' dtype (cast on the shard,
-        e.g. bf16 when loss_fn computes in bf16); None: their own.
+        "once" needs an explicit, row-additive `weight_fn` (then it gives "per_minibatch"'s
+        numbers) and `trn_accum.constrain` inside `loss_fn`; `loss_fn` sees one device's rows
+        of minibatch i and its keys get `fold_in(fold_in(key, i), j)` (j: the device index).
+      skip_nonfinite: drop, by selection (weight 0), every minibatch whose loss, weight or any
+        gradient element is not finite: the rest give the full batch's numbers over their rows
+        alone. grad_fn then returns `(value, grads, dropped)`, `dropped` an int32 count of the
+        dropped loss_fn calls (minibatches; under "once" minibatch × device pieces, each piece
+        judged on its own rows). All dropped: loss and grads NaN, as without the option.
+      state_argnum: index (>= 2) of a non-parameter state argument (batch statistics, NNX
+        `Rngs` counters) threaded through the minibatches in order (`core/state.py`): loss_fn
+        returns `(loss, (aux, new_state))`, minibatch i gets minibatch i-1's new state, and
+        grad_fn returns `((loss, (aux, final_state)), grads)`. Needs has_aux, per_minibatch.
+      gather, gather_dtype: under reduce="once", FSDP weights gathered per minibatch (default),
+        "once" or "once_unsharded" per step, travelling in gather_dtype (`gather_once`).
 
     Returns:
       grad_fn(params, batch, *args); shapes are checked at trace time (ValueErrors name the
@@ -143,21 +156,15 @@ def accumulate_gradients(
       input signature; extra arguments must be arrays); inside a caller's trace, inline.
     """
     steps = shd.validate_steps(steps)
-    for name, value, allowed in (
-        ("loop", loop, LOOPS),
-        ("reduce", reduce, REDUCES),
-        ("gather", gather, gather_once.GATHERS),
-    ):
+    choices = (("loop", loop, LOOPS), ("reduce", reduce, REDUCES), ("gather", gather, GATHERS))
+    for name, value, allowed in choices:
         if value not in allowed:
             raise ValueError(f"{name}={value!r} must be one of {allowed}")
-    if gather != "per_minibatch" and reduce != "once":
-        raise ValueError(
-            f'gather={gather!r} needs reduce="once" (the minibatch loop manual over the batch '
-            'axes, where the weights are gathered before it): pass reduce="once"'
-        )
+    gather_once.check_reduce(gather, reduce)
     if reduce == "once":
         once.check_weight_fn(weight_fn)
     argnums = rng.check_rng_argnum(rng_argnum)
+    state_argnum = st.check_state_argnum(state_argnum, argnums, has_aux, reduce)
     shd.check_batch_spec_has_mesh(batch_spec, mesh)
     if mesh is not None:
         shd.check_auto_mesh(mesh)
@@ -172,8 +179,8 @@ def accumulate_gradients(
     dtype = None if grad_dtype is None else jnp.dtype(grad_dtype)
     # fmt: off
     opts = _Options(loss_fn, steps, mesh, batch_spec, param_specs, weight_fn, aux_reduction,
-                    bool(has_aux), argnums, dtype, loop, reduce, gather,
-                    None if gather_dtype is None else jnp.dtype(gather_dtype))
+                    bool(has_aux), argnums, dtype, loop, reduce, bool(skip_nonfinite),
+                    state_argnum, (gather, gather_dtype and jnp.dtype(gather_dtype)))
     # fmt: on
 
     @jax.jit
@@ -196,86 +203,55 @@ def _accumulate(opts: _Options, params: Any, batch: Any, args: tuple) -> Any:
     batch_size, specs = shd.validate_batch(batch, k, mesh=mesh, batch_spec=opts.batch_spec)
     rng.check_args(opts.rng_argnums, args)
     grad_shardings = shd.leaf_shardings(opts.param_specs, params, mesh, what="param_specs")
-    fsdp = opts.gather != "per_minibatch"
-    manual = (
-        once.manual_axes_for(mesh, specs, grad_shardings, fsdp=fsdp)
-        if opts.reduce == "once"
-        else ()
+    fsdp = opts.gather[0] != "per_minibatch"  # gather="once": the FSDP axes manual too
+    manual = once.manual_axes_for(mesh, specs, grad_shardings, fsdp, opts.reduce == "once")
+    gathers = gather_once.plan(grad_shardings, len(jax.tree.leaves(params)), manual, fsdp)
+    aux_shape, reductions = st.plan_outputs(
+        functools.partial(_loss_with_aux, opts), opts, params, batch, args, batch_size
     )
-    n_params = len(jax.tree.leaves(params))
-    gathers = gather_once.plan(grad_shardings, n_params, manual) if fsdp and manual else None
-
-    aux_shape = reductions = None
-    if opts.has_aux:  # aux structure and reductions from shapes alone, before the loop
-
-        def aux_at(rows: int) -> Any:
-            shaped = jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct((rows, *x.shape[1:]), x.dtype), batch
-            )
-            loss_aux = functools.partial(_loss_with_aux, opts)
-            return jax.eval_shape(loss_aux, params, shaped, *_minibatch_args(opts, args, 0))[1]
-
-        aux_shape = aux_at(batch_size // k)
-        reductions = choose_reductions(
-            opts.aux_reduction, aux_shape, batch_size // k, k, lambda: aux_at(batch_size)
-        )
-    acc = Accumulator(reductions, aux_shape, grad_shardings)
+    acc = Accumulator(reductions, aux_shape, grad_shardings, opts.skip_nonfinite)
     example_spec = P(specs[0][0] if mesh is not None and len(specs[0]) else None)
 
     def local(params, batch, args, specs, vary, shards=None):
-        carry, stacked_aux, loss_dtype = _loop(
-            opts, acc, params, batch, args, specs, vary, gathers, shards
-        )
+        out = _loop(opts, acc, params, batch, args, specs, vary, gathers, shards)
+        carry, stacked_aux, loss_dtype, state = out
         if vary:  # reduce="once": the one reduction, after the loop
-            unsharded = opts.gather == "once_unsharded"
-            carry = once.psum_carry(carry, acc.reductions, vary, gathers, unsharded)
-        return acc.finish(carry, stacked_aux, loss_dtype, mesh, example_spec)
+            carry = once.psum_carry(carry, acc.reductions, vary, gathers, opts.gather[0])
+        calls = k * int(np.prod([mesh.shape[a] for a in vary])) if opts.skip_nonfinite else None
+        return acc.finish(carry, stacked_aux, loss_dtype, mesh, example_spec, calls), state
 
-    if manual:
-        loss, aux, grads = once.run_manual(
-            local,
-            mesh=mesh,
-            manual=manual,
-            batch_specs=specs,
-            reductions=reductions,
-            params=params,
-            batch=batch,
-            args=args,
-            gathers=gathers,
-            gather_dtype=opts.gather_dtype,
-        )
+    if manual:  # state_argnum is per_minibatch only: no state
+        # fmt: off
+        (loss, aux, grads, dropped), state = once.run_manual(
+            lambda *a, **kw: local(*a, **kw)[0], mesh=mesh, manual=manual, batch_specs=specs,
+            reductions=reductions, params=params, batch=batch, args=args, gathers=gathers,
+            gather_dtype=opts.gather[1]), None
+        # fmt: on
     else:
-        loss, aux, grads = local(params, batch, args, specs, ())
+        (loss, aux, grads, dropped), state = local(params, batch, args, specs, ())
 
     dtype = opts.grad_dtype  # None: each parameter's (jnp.dtype objects are truthy)
     grads = jax.tree.map(lambda g, p: g.astype(dtype or jnp.result_type(p)), grads, params)
     grads = acc.constrain_grads(grads)
-    return ((loss, aux), grads) if opts.has_aux else (loss, grads)
+    if opts.state_argnum is not None:
+        aux = (aux, state)
+    value = (loss, aux) if opts.has_aux else loss
+    return (value, grads, dropped) if opts.skip_nonfinite else (value, grads)
 
 
-def _loss_with_aux(opts: _Options, p, mb, *a):
-    out = opts.loss_fn(p, mb, *a)
-    if not opts.has_aux:
-        return out, None
-    if not (isinstance(out, (tuple, list)) and len(out) == 2):
-        raise ValueError(
-            f"has_aux=True but loss_fn did not return a (loss, aux) pair: got {type(out).__name__}"
-        )
-    return out[0], out[1]
-
-
-def _minibatch_args(opts: _Options, args: tuple, i, vary: tuple[str, ...] = ()) -> tuple:
-    """args with each PRNG key of `rng_argnum` folded per minibatch (`rng.fold_keys`)."""
-    return rng.fold_keys(opts.rng_argnums, args, i, vary)
+def _loss_with_aux(opts: _Options, p, mb, *a) -> tuple:
+    """(loss, (aux, new state)) of loss_fn (aux, state None when absent; `state.loss_output`)."""
+    return st.loss_output(opts.loss_fn(p, mb, *a), opts.has_aux, opts.state_argnum is not None)
 
 
 def _loop(opts, acc, params, batch, args, specs, vary, gathers=None, shards=None):
-    """Run the k minibatches; returns (carry, stacked per-example aux, loss dtype).
+    """Run the k minibatches; returns (carry, stacked per-example aux, loss dtype, the state
+    after the last one, or None: `state_argnum`).
 
     Shapes here are global, or per-device along the manual axes `vary` (reduce="once").
-    gather="once": `params` are the gathered weights, `shards` their shards; each minibatch's
-    gradient is reduce-scattered to the shard ("once") or accumulated full-size."""
-    per_mb_scatter = gathers is not None and opts.gather == "once"
+    gather="once": `params` gathered, `shards` theirs; weighted gradients reduce-scattered."""
+    scatter = gather_once.scatter_fn(gathers, opts.gather[0])
+    add = functools.partial(acc.add, scatter=scatter)
     k, mesh = opts.steps, opts.mesh
     leaves, treedef = jax.tree.flatten(batch)
     stacked = jax.tree.unflatten(
@@ -284,43 +260,41 @@ def _loop(opts, acc, params, batch, args, specs, vary, gathers=None, shards=None
     vg = jax.value_and_grad(functools.partial(_loss_with_aux, opts), has_aux=True)
     loss_dtype = []  # filled while the body is traced
 
-    def one_minibatch(mb, i):
-        """(loss_i, aux_i, grads_i float32, w_i) of minibatch i; grads constrained."""
+    def one_minibatch(mb, i, state):
+        """((loss_i, aux_i, grads_i float32, w_i, ok_i), state after it) of minibatch i."""
         mb = jax.tree.unflatten(
             treedef,
             [shd.constrain(x, mesh, s) for x, s in zip(jax.tree.leaves(mb), specs, strict=True)],
         )
-        (loss_i, aux_i), g_i = vg(params, mb, *_minibatch_args(opts, args, i, vary))
+        args_i = st.with_state(
+            rng.fold_keys(opts.rng_argnums, args, i, vary), opts.state_argnum, state
+        )
+        (loss_i, (aux_i, new_state)), g_i = vg(params, mb, *args_i)
         loss_dtype.append(jnp.result_type(loss_i))
-        w_i = jnp.float32(1.0) if opts.weight_fn is None else opts.weight_fn(mb)
-        w_i = jnp.asarray(w_i, jnp.float32)
-        if np.shape(w_i) != ():
-            raise ValueError(f"weight_fn must return a scalar, got shape {np.shape(w_i)}")
+        w_i = minibatch_weight(opts.weight_fn, mb)
         g_i = jax.tree.map(lambda g: g.astype(jnp.float32), g_i)
-        return loss_i, aux_i, g_i if per_mb_scatter else acc.constrain_grads(g_i), w_i
+        g_i = g_i if scatter else acc.constrain_grads(g_i)  # full-size: the shard's spec later
+        ok_i = all_finite(loss_i, w_i, g_i) if opts.skip_nonfinite else None
+        return (loss_i, aux_i, g_i, w_i, ok_i), st.select(ok_i, new_state, state)
 
-    def scatter(tree):  # gather="once": each weighted minibatch gradient to the shards
-        leaves, tdef = jax.tree.flatten(tree)
-        out = [gather_once.scatter(g, s) for g, s in zip(leaves, gathers, strict=True)]
-        return jax.tree.unflatten(tdef, out)
-
-    add = functools.partial(acc.add, scatter=scatter if per_mb_scatter else None)
-
-    carry = acc.init(shards if per_mb_scatter else params)
+    state = st.state_arg(args, opts.state_argnum)
+    carry = acc.init(shards if scatter else params)
     if vary:  # carries hold per-device partial sums
         carry = jax.tree.map(lambda x: jax.lax.pcast(x, vary, to="varying"), carry)
     if opts.loop == "scan":
 
-        def body(carry, xs):
-            mb, i = xs
-            return add(carry, *one_minibatch(mb, i))
+        def body(c, xs):
+            parts, state = one_minibatch(*xs, c[1])
+            carry, per_example = add(c[0], *parts)
+            return (carry, state), per_example
 
-        carry, stacked_aux = jax.lax.scan(body, carry, (stacked, jnp.arange(k)), length=k)
+        xs = (stacked, jnp.arange(k))
+        (carry, state), stacked_aux = jax.lax.scan(body, (carry, state), xs, length=k)
     else:
         pieces = []
         for i in range(k):
-            mb = jax.tree.map(lambda x, i=i: x[i], stacked)
-            carry, per_example = add(carry, *one_minibatch(mb, i))
+            parts, state = one_minibatch(jax.tree.map(lambda x, i=i: x[i], stacked), i, state)
+            carry, per_example = add(carry, *parts)
             pieces.append(per_example)
         stacked_aux = jax.tree.map(lambda *xs: jnp.stack(xs), *pieces)
-    return carry, stacked_aux, loss_dtype[0]
+    return carry, stacked_aux, loss_dtype[0], state

@@ -1,29 +1,19 @@
-"""The float32 carry of the minibatch loop and how aux outputs are reduced over minibatches.
+"""The float32 carry of the minibatch loop: init / add / finish, per aux leaf by its reduction.
 
-    carry = Carry(loss=Σ w_i·L_i, weight=Σ w_i, grads=Σ w_i·g_i, aux=[per-leaf carries])
-    init(params) -> carry;  add(carry, L_i, aux_i, g_i, w_i) -> carry;  finish(carry) -> values
+    carry = Carry(loss=Σ w_i·L_i, weight=Σ w_i, grads=Σ w_i·g_i, aux=[per-leaf carries],
+                  dropped=number of loss_fn calls dropped as non-finite)
+    init(params) -> carry;  add(carry, L_i, aux_i, g_i, w_i, ok_i) -> carry;  finish(carry)
 
-Sums are float32 (float64 leaves stay float64); a minibatch with w_i == 0 is dropped by
-selection (`jnp.where`), so its NaN loss (0/0) does not leak; Σ w_i == 0 gives 0.
-
-Aux reductions, one per aux leaf (`choose_reductions`, from shapes alone):
-  "mean"   Σ w_i x_i / Σ w_i (zero-weight minibatches dropped), like the loss
-  "sum", "max", "min"  over all minibatches, unweighted (counts need "sum")
-  "concat" per-example leaves [B/k, ...] stitched back into [B, ...] in the original row order
-Unnamed leaves take the default: scalars -> "mean" (with an `AuxReductionWarning` when k > 1,
-since a count or a max would need another reduction), leaves whose axis 0 follows the batch
-size -> "concat" (checked by tracing `loss_fn`'s shapes on the full batch too: a leaf whose
-axis 0 only happens to equal B/k is an error, not stitched), anything else -> ValueError.
-Naming a leaf None (in a dict, or from a callable) asks for its default without the warning.
-Warnings are Python warnings raised while tracing: nothing of this is in the compiled program.
+Sums are float32 (float64 leaves stay float64); a minibatch with w_i == 0, or with ok_i False
+(`skip_nonfinite`: its loss, weight or a gradient is not finite), is dropped by selection
+(`jnp.where`), so its NaN (0/0, or the non-finite values) does not leak; Σ w_i == 0 gives 0.
+The reductions are chosen in `reductions` ("mean", "sum", "max", "min", "concat", "weighted").
 
 Imports JAX (and numpy/stdlib) only.
 """
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -31,175 +21,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from trn_accum.core import sharding as shd
+from trn_accum.core import summaries
 
-__all__ = [
-    "AUX_REDUCTIONS",
-    "Accumulator",
-    "AuxReductionWarning",
-    "Carry",
-    "check_aux_reduction",
-    "choose_reductions",
-]
-
-AUX_REDUCTIONS = ("mean", "sum", "max", "min", "concat")
+__all__ = ["Accumulator", "Carry", "all_finite"]
 
 
-class AuxReductionWarning(UserWarning):
-    """An aux leaf was reduced by a default the caller did not name. Silence it by naming the
-    leaf's reduction in `aux_reduction` (or with `warnings.filterwarnings`)."""
-
-
-# ----------------------------------------------------------------------------- choosing
-
-
-def check_aux_reduction(spec: Any) -> None:
-    """ValueError (before tracing) if a string in `spec` is not one of AUX_REDUCTIONS."""
-    if spec is None or callable(spec):
-        return
-    for path, red in jax.tree_util.tree_flatten_with_path(spec, is_leaf=_is_none)[0]:
-        if red is not None and red not in AUX_REDUCTIONS:
-            where = f" at {jax.tree_util.keystr(path)}" if path else ""
-            raise ValueError(f"aux_reduction={red!r}{where} must be one of {AUX_REDUCTIONS}")
-
-
-def _is_none(x: Any) -> bool:
-    return x is None
-
-
-def _key_name(key: Any) -> Any:
-    """The name in a key-path entry: a dict key, an attribute name or a sequence index (so a
-    dict {"count": "sum"} names a NamedTuple's or dataclass's field `count` too)."""
-    for attr in ("key", "name", "idx"):
-        if hasattr(key, attr):
-            return getattr(key, attr)
-    return str(key)
-
-
-def _names(path: tuple) -> tuple:
-    return tuple(_key_name(k) for k in path)
-
-
-_UNNAMED = object()  # the caller gave no reduction for this leaf
-
-
-def _named(spec: Any, flat: list) -> list:
-    """Per aux leaf: the reduction the caller named, None (the default, asked for by name) or
-    _UNNAMED. A dict or pytree may name a subset of aux (prefix paths); a name matching no
-    aux leaf is a ValueError listing the aux leaves."""
-    if spec is None:
-        return [_UNNAMED] * len(flat)
-    if isinstance(spec, str):
-        return [spec] * len(flat)
-    if callable(spec):
-        return [spec(path) for path, _ in flat]
-    entries = jax.tree_util.tree_flatten_with_path(spec, is_leaf=_is_none)[0]
-    paths = [_names(path) for path, _ in flat]
-    out, used = [], set()
-    for names in paths:
-        hits = [(len(p), i) for i, (p, _) in enumerate(entries) if names[: len(p)] == _names(p)]
-        if hits:
-            i = max(hits)[1]
-            used.add(i)
-        out.append(entries[i][1] if hits else _UNNAMED)
-    unused = [jax.tree_util.keystr(p) for i, (p, _) in enumerate(entries) if i not in used]
-    if unused:
-        keys = ", ".join(jax.tree_util.keystr(path) or "<aux>" for path, _ in flat)
-        raise ValueError(
-            f"aux_reduction names {', '.join(unused)}, which matches no aux leaf; aux leaves: "
-            f"{keys or 'none'}"
-        )
-    return out
-
-
-def _suggest(path: tuple, red: str) -> str:
-    """The aux_reduction that names one leaf, e.g. {'tokens': 'sum'}."""
-    out = repr(red)
-    for name in reversed(_names(path)):
-        out = f"{{{name!r}: {out}}}"
-    return out
-
-
-def choose_reductions(
-    spec: Any, aux: Any, minibatch_size: int, steps: int, full_batch_aux: Callable[[], Any]
-) -> Any:
-    """A tree like `aux` (shapes of one minibatch's aux) whose leaves are reduction names.
-
-    `spec` is `aux_reduction`: None, one string, a callable `(key_path) -> str | None`, or a
-    dict/pytree naming a subset of aux (None = the default). `full_batch_aux()` gives the aux
-    shapes on the full batch; it is called only to check a default "concat" (k > 1).
-    """
-    flat, treedef = jax.tree_util.tree_flatten_with_path(aux)
-    full = []  # the full-batch aux leaves, computed at most once
-
-    def follows_batch(i: int, shape: tuple) -> bool | None:
-        """Whether leaf i's axis 0 is k × larger on the full batch (None: could not tell)."""
-        if not full:
-            try:
-                full.append(jax.tree.leaves(full_batch_aux()))
-            except Exception as e:  # a loss that only traces at B/k: warn below
-                full.append(f"loss_fn did not trace on the full batch: {str(e)[:200]}")
-        if isinstance(full[0], str) or len(full[0]) != len(flat):
-            return None
-        return np.shape(full[0][i]) == (minibatch_size * steps, *shape[1:])
-
-    out = []
-    for i, ((path, leaf), red) in enumerate(zip(flat, _named(spec, flat), strict=True)):
-        name, shape = jax.tree_util.keystr(path) or "<aux>", np.shape(leaf)
-        unnamed = red is _UNNAMED
-        if red is None or unnamed:
-            red = _default(name, shape, minibatch_size)
-            if red == "mean" and unnamed and steps > 1:
-                warnings.warn(
-                    f"aux leaf {name} is a scalar without a named reduction: it is averaged "
-                    f"with the minibatch weights ('mean'), which is wrong for a count (needs "
-                    f"'sum') or a max; name it to silence this, e.g. aux_reduction="
-                    f"{_suggest(path, 'mean')}",
-                    AuxReductionWarning,
-                    stacklevel=2,
-                )
-            if red == "concat" and steps > 1:
-                verdict = follows_batch(i, shape)
-                if verdict is False:
-                    raise ValueError(
-                        f"aux leaf {name} has shape {shape} on a minibatch of {minibatch_size} "
-                        f"rows but shape {np.shape(full[0][i])} on the full batch of "
-                        f"{minibatch_size * steps}: its axis 0 is not per-example, so it is "
-                        f"not stitched; name its reduction, one of {AUX_REDUCTIONS}, e.g. "
-                        f"aux_reduction={_suggest(path, 'sum')}"
-                    )
-                if verdict is None and unnamed:
-                    reason = full[0] if isinstance(full[0], str) else "aux structure differs"
-                    warnings.warn(
-                        f"aux leaf {name} (shape {shape}) is stitched as per-example because "
-                        f"axis 0 = B/k = {minibatch_size}, unchecked ({reason}); name it to "
-                        f"silence this, e.g. aux_reduction={_suggest(path, 'concat')}",
-                        AuxReductionWarning,
-                        stacklevel=2,
-                    )
-        if red not in AUX_REDUCTIONS:
-            raise ValueError(f"aux_reduction for {name} is {red!r}, not one of {AUX_REDUCTIONS}")
-        if red == "concat" and (shape == () or shape[0] != minibatch_size):
-            raise ValueError(
-                f"aux leaf {name} has shape {shape}: 'concat' needs axis 0 = the minibatch "
-                f"size {minibatch_size} (B/k with k={steps})"
-            )
-        out.append(red)
-    return jax.tree.unflatten(treedef, out)
-
-
-def _default(name: str, shape: tuple, minibatch_size: int) -> str:
-    if shape == ():
-        return "mean"
-    if shape[0] == minibatch_size:
-        return "concat"
-    raise ValueError(
-        f"aux leaf {name} has shape {shape}: neither a scalar nor per-example (axis 0 = "
-        f"minibatch size {minibatch_size}); give it an explicit aux_reduction, one of "
-        f"{AUX_REDUCTIONS}"
-    )
-
-
-# ----------------------------------------------------------------------------- the carry
+def all_finite(*trees: Any) -> jax.Array:
+    """Scalar bool: every element of every leaf of `trees` is finite."""
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(trees)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
 
 
 class Carry(NamedTuple):
@@ -209,6 +39,7 @@ class Carry(NamedTuple):
     weight: jax.Array  # Σ w_i, float32 []
     grads: Any  # Σ w_i·g_i, float32, params' structure
     aux: list  # one carry per aux leaf (None for "concat": stacked by the loop instead)
+    dropped: Any  # float32 []: loss_fn calls dropped as non-finite (None: not counted)
 
 
 def _identity(red: str, dtype: Any) -> Any:
@@ -232,72 +63,116 @@ def _acc_dtype(red: str, dtype: Any) -> Any:
 
 class Accumulator:
     """init / add / finish of the carry. `reductions` and `aux_shape` are trees like aux (None
-    without aux); `grad_shardings` is `shd.leaf_shardings(param_specs, params, ...)`: the
-    gradient sums are constrained to the parameters' shardings after every step."""
+    without aux; WeightedScalar nodes are leaves); `grad_shardings` is
+    `shd.leaf_shardings(param_specs, params, ...)`: the gradient sums are constrained to the
+    parameters' shardings after every step. `count_dropped` (skip_nonfinite) carries the
+    dropped count (float32, so that reduce="once" sums it in the one float32 psum)."""
 
-    def __init__(self, reductions: Any, aux_shape: Any, grad_shardings: list | None):
-        self.aux_shape = aux_shape
+    def __init__(self, reductions, aux_shape, grad_shardings: list | None, count_dropped=False):
+        self.aux_shape, self.count_dropped = aux_shape, count_dropped
         self.grad_shardings = grad_shardings
         self.reductions = [] if reductions is None else jax.tree.leaves(reductions)
-        self.shapes = [] if aux_shape is None else jax.tree.leaves(aux_shape)
+        self.shapes = [] if aux_shape is None else _aux_leaves(aux_shape)
 
     def constrain_grads(self, grads: Any) -> Any:
         return shd.constrain_leaves(grads, self.grad_shardings)
 
     def init(self, params: Any) -> Carry:
         zeros = jax.tree.map(lambda p: jnp.zeros(np.shape(p), jnp.float32), params)
-        aux = [
-            None
-            if red == "concat"
-            else jnp.full(s.shape, _identity(red, s.dtype), _acc_dtype(red, s.dtype))
-            for red, s in zip(self.reductions, self.shapes, strict=True)
-        ]
-        return Carry(jnp.float32(0.0), jnp.float32(0.0), self.constrain_grads(zeros), aux)
+        aux = [_init_aux(red, s) for red, s in zip(self.reductions, self.shapes, strict=True)]
+        f0 = jnp.float32(0.0)
+        dropped = f0 if self.count_dropped else None
+        return Carry(f0, f0, self.constrain_grads(zeros), aux, dropped)
 
-    def add(self, carry: Carry, loss_i, aux_i, g_i, w_i, scatter=None) -> tuple[Carry, list]:
-        """carry + minibatch i; also returns its per-example ("concat") aux leaves. `scatter`
-        (gather="once"): applied to the weighted gradient tree before it is added."""
-        keep = w_i != 0
+    def add(
+        self, carry: Carry, loss_i, aux_i, g_i, w_i, ok_i=None, scatter=None
+    ) -> tuple[Carry, list]:
+        """carry + minibatch i; also returns its per-example ("concat") aux leaves. `ok_i`
+        (scalar bool, or None: no check) False drops the minibatch from every sum, "max" and
+        "min" by selection and counts it in `dropped`. `scatter` (gather="once"): applied to
+        the weighted gradient tree before it is added."""
+        keep = w_i != 0 if ok_i is None else (w_i != 0) & ok_i
         loss = carry.loss + jnp.where(keep, w_i * jnp.asarray(loss_i).astype(jnp.float32), 0.0)
         weight = carry.weight + jnp.where(keep, w_i, 0.0)
         weighted = jax.tree.map(lambda g: jnp.where(keep, w_i * g, 0.0), g_i)
         weighted = weighted if scatter is None else self.constrain_grads(scatter(weighted))
         grads = jax.tree.map(jnp.add, carry.grads, weighted)
         new_aux, per_example = [], []
-        xs = jax.tree.leaves(aux_i) if self.reductions else []
+        xs = _aux_leaves(aux_i) if self.reductions else []
         for red, acc, x in zip(self.reductions, carry.aux, xs, strict=True):
             if red == "concat":
                 per_example.append(x)
                 new_aux.append(None)
-                continue
-            x = jnp.asarray(x).astype(acc.dtype)  # Python numbers: 0-d arrays
-            if red == "mean":
-                acc = acc + jnp.where(keep, w_i.astype(acc.dtype) * x, 0)
-            elif red == "sum":
-                acc = acc + x
+            elif red == summaries.WEIGHTED:
+                new_aux.append(summaries.add(acc, x, ok_i))
             else:
-                acc = jnp.maximum(acc, x) if red == "max" else jnp.minimum(acc, x)
-            new_aux.append(acc)
-        return Carry(loss, weight, self.constrain_grads(grads), new_aux), per_example
+                new_aux.append(_add_aux(red, acc, x, w_i, keep, ok_i))
+        dropped = carry.dropped if ok_i is None else carry.dropped + jnp.where(ok_i, 0.0, 1.0)
+        return Carry(loss, weight, self.constrain_grads(grads), new_aux, dropped), per_example
 
-    def finish(self, carry: Carry, stacked_aux: list, loss_dtype, mesh, example_spec) -> tuple:
-        """(loss, aux, grads float32): the sums divided by Σ w (0 when Σ w = 0); per-example aux
-        [k, B/k, ...] merged back to [B, ...] and constrained to `example_spec`."""
+    def finish(
+        self, carry: Carry, stacked_aux: list, loss_dtype, mesh, example_spec, calls=None
+    ) -> tuple:
+        """(loss, aux, grads float32, dropped int32): the sums divided by Σ w (0 when Σ w = 0);
+        per-example aux [k, B/k, ...] merged back to [B, ...] and constrained to
+        `example_spec`. `calls` (skip_nonfinite): the number of loss_fn calls; when all of them
+        were dropped, loss and grads are NaN (no finite value remained), not 0."""
         total = carry.weight
         nonzero = total != 0
         safe = jnp.where(nonzero, total, 1.0)
-        loss = jnp.where(nonzero, carry.loss / safe, 0.0).astype(loss_dtype)
+        loss = jnp.where(nonzero, carry.loss / safe, 0.0)
         grads = jax.tree.map(lambda a: jnp.where(nonzero, a / safe, 0.0), carry.grads)
-        grads = self.constrain_grads(grads)
+        if calls is not None:
+            none_left = carry.dropped == calls
+            loss = jnp.where(none_left, jnp.nan, loss)
+            grads = jax.tree.map(lambda g: jnp.where(none_left, jnp.nan, g), grads)
+        loss, grads = loss.astype(loss_dtype), self.constrain_grads(grads)
+        dropped = jnp.int32(0) if carry.dropped is None else carry.dropped.astype(jnp.int32)
         if self.aux_shape is None:
-            return loss, None, grads
+            return loss, None, grads, dropped
         out, per_example = [], iter(stacked_aux or [])
         for red, s, acc in zip(self.reductions, self.shapes, carry.aux, strict=True):
             if red == "concat":
                 merged = shd.merge_minibatches(next(per_example)).astype(s.dtype)
                 out.append(shd.constrain(merged, mesh, shd.cut_spec(example_spec, merged.ndim)))
+            elif red == summaries.WEIGHTED:
+                out.append(summaries.finish(acc, s))
             elif red == "mean":
                 out.append(jnp.where(nonzero, acc / safe.astype(acc.dtype), 0).astype(s.dtype))
             else:
                 out.append(acc.astype(s.dtype))
-        return loss, jax.tree.unflatten(jax.tree.structure(self.aux_shape), out), grads
+        aux = jax.tree.unflatten(summaries.aux_structure(self.aux_shape), out)
+        return loss, aux, grads, dropped
+
+
+def _aux_leaves(aux: Any) -> list:
+    return jax.tree.leaves(aux, is_leaf=summaries.is_weighted)
+
+
+def _init_aux(red: str, s: Any) -> Any:
+    if red == "concat":
+        return None
+    if red == summaries.WEIGHTED:
+        return summaries.init()
+    return jnp.full(s.shape, _identity(red, s.dtype), _acc_dtype(red, s.dtype))
+
+
+def _add_aux(red: str, acc, x, w_i, keep, ok_i):
+    """One "mean", "sum", "max" or "min" carry + x (a Python number counts as a 0-d array);
+    "mean" drops x where `keep` is False, the others where `ok_i` is False (None: never)."""
+    x = jnp.asarray(x).astype(acc.dtype)
+    if red == "mean":
+        return acc + jnp.where(keep, w_i.astype(acc.dtype) * x, 0)
+    if red == "sum":
+        new = acc + x
+    else:
+        new = jnp.maximum(acc, x) if red == "max" else jnp.minimum(acc, x)
+    return new if ok_i is None else jnp.where(ok_i, new, acc)
+
+
+def minibatch_weight(weight_fn, mb) -> jax.Array:
+    """w_i = weight_fn(minibatch) as a float32 scalar (1 when weight_fn is None)."""
+    w_i = jnp.asarray(jnp.float32(1.0) if weight_fn is None else weight_fn(mb), jnp.float32)
+    if np.shape(w_i) != ():
+        raise ValueError(f"weight_fn must return a scalar, got shape {np.shape(w_i)}")
+    return w_i

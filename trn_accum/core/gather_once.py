@@ -34,7 +34,10 @@ from jax.sharding import PartitionSpec as P
 
 from trn_accum.core import sharding as shd
 
-__all__ = ["GATHERS", "Gather", "plan", "gather", "scatter", "shard_spec", "to_varying"]
+__all__ = [
+    "GATHERS", "Gather", "check_reduce", "gather", "plan", "scatter", "scatter_fn", "shard_spec",
+    "to_varying",
+]  # fmt: skip
 
 GATHERS = ("per_minibatch", "once", "once_unsharded")
 
@@ -42,9 +45,23 @@ GATHERS = ("per_minibatch", "once", "once_unsharded")
 Gather = tuple[tuple[int, tuple[str, ...]], ...]
 
 
-def plan(grad_shardings: Sequence | None, n_leaves: int, manual: Sequence[str]) -> list[Gather]:
+def check_reduce(gather: str, reduce: str) -> None:
+    """ValueError for gather="once..." without reduce="once"."""
+    if gather != "per_minibatch" and reduce != "once":
+        raise ValueError(
+            f'gather={gather!r} needs reduce="once" (the minibatch loop manual over the batch '
+            'axes, where the weights are gathered before it): pass reduce="once"'
+        )
+
+
+def plan(
+    grad_shardings: Sequence | None, n_leaves: int, manual: Sequence[str], on: bool = True
+) -> list[Gather] | None:
     """Per parameter leaf (`leaf_shardings` order), the dimensions its spec shards over the
-    manual axes `manual`: those are all-gathered before the loop."""
+    manual axes `manual`: those are all-gathered before the loop. None when not `on` or no
+    axis is manual (gather="per_minibatch")."""
+    if not on or not manual:
+        return None
     if grad_shardings is None:
         return [()] * n_leaves
     out = []
@@ -99,3 +116,18 @@ def scatter(x: jax.Array, g: Gather) -> jax.Array:
             x, axes if len(axes) > 1 else axes[0], scatter_dimension=d, tiled=True
         )
     return x
+
+
+def scatter_fn(gathers: list[Gather] | None, mode: str):
+    """gather="once": the function taking a weighted minibatch gradient tree (full-size) to
+    the shards, for `Accumulator.add`; None otherwise ("once_unsharded" scatters after the
+    loop, `reduce_once.psum_grads`)."""
+    if gathers is None or mode != "once":
+        return None
+
+    def scatter_tree(tree):
+        leaves, treedef = jax.tree.flatten(tree)
+        out = [scatter(g, s) for g, s in zip(leaves, gathers, strict=True)]
+        return jax.tree.unflatten(treedef, out)
+
+    return scatter_tree

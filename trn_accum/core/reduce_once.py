@@ -44,15 +44,19 @@ def check_weight_fn(weight_fn: Callable | None) -> None:
 
 
 def manual_axes_for(
-    mesh: Mesh | None, batch_specs: list[P], grad_shardings: list | None, *, fsdp: bool = False
+    mesh: Mesh | None,
+    batch_specs: list[P],
+    grad_shardings: list | None,
+    fsdp: bool = False,
+    on: bool = True,
 ):
     """The pure data-parallel axes: the leading mesh axes of the batch dimension's sharding
     (the same for every batch leaf) up to the first one a parameter spec uses (all of them with
     `fsdp`: gather="once" makes the FSDP axes manual too, `gather_once`), leaving out
     axes of size 1 (nothing to reduce over them; XLA's partitioner also rejects an all-reduce
-    manual over only size-1 axes). () without a mesh or when no axis remains: then "once" is
-    "per_minibatch"."""
-    if mesh is None:
+    manual over only size-1 axes). () without a mesh, when not `on` (reduce="per_minibatch")
+    or when no axis remains: then "once" is "per_minibatch"."""
+    if mesh is None or not on:
         return ()
     entries = {tuple(shd.spec_axes(s[0])) if len(s) else () for s in batch_specs}
     if len(entries) != 1:
@@ -99,10 +103,12 @@ def psum_grads(grads: Any, axes: tuple[str, ...], gathers=None, scatter: bool = 
 
 
 def psum_carry(
-    carry: Carry, reductions: list[str], axes: tuple[str, ...], gathers=None, scatter=False
+    carry: Carry, reductions: list[str], axes: tuple[str, ...], gathers=None, gather: str = ""
 ) -> Carry:
-    """The one reduction after the loop: sums psum'd, "max"/"min" aux pmax/pmin'd over `axes`
-    ("concat" aux is per device already: the shard_map's out_specs stitch it)."""
+    """The one reduction after the loop: sums (and the dropped count) psum'd, "max"/"min" aux
+    pmax/pmin'd over `axes` ("concat" aux is per device already: the shard_map's out_specs
+    stitch it; a "weighted" carry is a pair of sums); gradients by `psum_grads` (`gather`: the
+    gather mode, "once_unsharded" reduce-scatters the full-size gradients here)."""
 
     def reduce(red: str, x):
         if red == "max":
@@ -112,12 +118,13 @@ def psum_carry(
         return x if red == "concat" else jax.lax.psum(x, axes)
 
     if gathers is None:  # one all-reduce for the sums and the gradients
-        loss, weight, grads = jax.lax.psum((carry.loss, carry.weight, carry.grads), axes)
+        sums = (carry.loss, carry.weight, carry.grads, carry.dropped)
+        loss, weight, grads, dropped = jax.lax.psum(sums, axes)
     else:
-        loss, weight = jax.lax.psum((carry.loss, carry.weight), axes)
-        grads = psum_grads(carry.grads, axes, gathers, scatter)
+        loss, weight, dropped = jax.lax.psum((carry.loss, carry.weight, carry.dropped), axes)
+        grads = psum_grads(carry.grads, axes, gathers, scatter=gather == "once_unsharded")
     aux = [reduce(red, x) for red, x in zip(reductions, carry.aux, strict=True)]
-    return Carry(loss, weight, grads, aux)
+    return Carry(loss, weight, grads, aux, dropped)
 
 
 def run_manual(
@@ -133,14 +140,15 @@ def run_manual(
     gathers: list | None = None,
     gather_dtype: Any = None,
 ) -> tuple:
-    """`local(params, batch, args, inner_specs, manual)` -> (loss, aux, grads) inside a
+    """`local(params, batch, args, inner_specs, manual)` -> (loss, aux, grads, dropped) in a
     `shard_map` manual over `manual` only. Batch leaves enter split over the manual axes
     (per device [B/J, ...] with J their size), parameters and extra arguments replicated over
     them and cast to varying (so their gradients stay per-device partial sums); `inner_specs`
-    are the batch specs without the manual axes. Outputs: loss, grads and reduced aux
-    replicated; per-example aux stitched over the manual axes. With `gathers` (gather="once"):
-    a parameter sharded over manual axes enters as its shard, is gathered (`gather_once`) and
-    `local` also gets the shards (`shards=`); its gradient leaves sharded the same way."""
+    are the batch specs without the manual axes. Outputs: loss, grads, the dropped count and
+    reduced aux replicated; per-example aux stitched over the manual axes. With `gathers`
+    (gather="once"): a parameter sharded over manual axes enters as its shard, is gathered
+    (`gather_once`) and `local` also gets the shards (`shards=`); its gradient leaves sharded
+    the same way."""
     entry = manual[0] if len(manual) == 1 else tuple(manual)
     inner_specs = [shd.drop_axes(s, manual) for s in batch_specs]
     b_leaves, b_def = jax.tree.flatten(batch)
@@ -179,7 +187,7 @@ def run_manual(
             body,
             mesh=mesh,
             in_specs=(p_specs, batch_in, *([P()] * len(args))),
-            out_specs=(P(), aux_out, p_specs),
+            out_specs=(P(), aux_out, p_specs, P()),
             axis_names=set(manual),
         )(params, batch, *args)
     except ValueError as e:

@@ -365,6 +365,7 @@ def _loop(trainer: Trainer, state, start: int, ckpt, logger, run_dir, profile, p
             "tokens_per_s": tokens / dt,
             "step_time_s": dt,
             "skipped_steps": skipped,
+            "dropped_minibatches": int(m["dropped_minibatches"]),
             "target_tokens": float(m["target_tokens"]),
         }
         if peak:

@@ -42,6 +42,7 @@ _CONSOLE = (
     ("tokens_per_s", "tok/s", "{:,.0f}"),
     ("step_time_s", "s/step", "{:.3f}"),
     ("skipped_steps", "skipped", "{:d}"),
+    ("dropped_minibatches", "dropped", "{:d}"),
     ("mfu", "mfu", "{:.2%}"),
 )
 

@@ -9,8 +9,10 @@ State (a dict, so checkpoints are plain trees)::
 
 One step: the global batch [B, S] (sharded P(("data", "fsdp"), None)) goes through
 `accumulate_gradients` (k = trainer.accum_steps strided minibatches, each weighted by its number
-of target tokens, so the result equals the full-batch gradient), then the optax update of
-`trn_accum.train.optim` behind a non-finite guard (a `jnp.where` select, no conditional). The
+of target tokens, so the result equals the full-batch gradient; with `skip_nonfinite`, a
+minibatch whose loss or gradient is not finite is dropped and counted in the metric
+`dropped_minibatches`), then the optax update of `trn_accum.train.optim` behind a non-finite
+guard (a `jnp.where` select, no conditional): a step is skipped when every minibatch was. The
 step is jitted with in/out shardings stated and the state donated, and traced under
 `jax.set_mesh(mesh)` so the model's activation constraints apply.
 
@@ -230,10 +232,11 @@ def make_train_step(cfg: Config, mesh, tx, lr_fn, specs, state_shardings):
         reduce=cfg.trainer.reduce,
         gather=cfg.trainer.gather,  # the model casts every matrix to the compute dtype itself
         gather_dtype=cfg.model.compute_dtype,
+        skip_nonfinite=True,  # a non-finite minibatch is dropped; all of them: a NaN step
     )
 
     def step(state, batch):
-        (loss, aux), grads = grad_fn(state["params"], batch)
+        (loss, aux), grads, dropped = grad_fn(state["params"], batch)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         lr = lr_fn(state["step"] - state["skipped"])  # the schedule counts applied updates
@@ -252,6 +255,7 @@ def make_train_step(cfg: Config, mesh, tx, lr_fn, specs, state_shardings):
             "lr": jnp.asarray(lr, jnp.float32),
             "target_tokens": aux["num_target_tokens"],
             "skipped_steps": new["skipped"],
+            "dropped_minibatches": dropped,
         }
         return new, metrics
 
