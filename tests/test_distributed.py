@@ -281,6 +281,25 @@ def test_real_resolver_localhost_and_unresolvable():
     assert "\n" not in str(e.value)
 
 
+def test_initialize_waits_for_a_pods_name_but_not_a_slurm_nodes(monkeypatch):
+    """A pod's DNS name appears once the pod has an address: initialize retries it (poll 2 s)
+    up to initialization_timeout; a Slurm node's name is tried once."""
+    calls = []
+
+    def never(host):
+        calls.append(host)
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(rootport, "resolve_ipv4", never)
+    with pytest.raises(LaunchError, match="'nowhere-1'"):
+        dist.initialize(slurm_env("nowhere-[1-2]", 2, 1), neuron=True, initialization_timeout=3)
+    assert calls == ["nowhere-1"]
+    calls.clear()
+    with pytest.raises(LaunchError, match="'fuji-3b-0.fuji-3b'"):
+        dist.initialize(k8s_env(2, 1), neuron=True, initialization_timeout=3)
+    assert calls == ["fuji-3b-0.fuji-3b"] * 2  # at 0 s and 2 s, then the timeout
+
+
 def test_resolve_waiting_retries_until_the_timeout():
     clock = [0.0]
     calls = []

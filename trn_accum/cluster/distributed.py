@@ -434,8 +434,8 @@ def initialize(
     neuron: force Neuron on/off (default: `on_neuron()`).
     initialization_timeout / heartbeat_timeout_seconds: passed to `jax.distributed.initialize`
       (a dead peer makes every other process exit after the heartbeat timeout; JAX's default
-      is 100 s); on Neuron, initialization_timeout also bounds the wait for the root host's
-      name to resolve.
+      is 100 s); on Neuron in a Kubernetes pod, initialization_timeout also bounds the wait for
+      the root pod's name to resolve.
 
     Single process: starts nothing. Slurm: `jax.distributed.initialize` detects the step itself
     from `os.environ` (the plan must agree; checked after start-up). Kubernetes / explicit:
@@ -452,8 +452,12 @@ def initialize(
         num_processes=num_processes,
         process_id=process_id,
         neuron=neuron,
-        # a pod's DNS name exists once the pod has an address: wait as jax.distributed does
-        resolve=functools.partial(rootport.resolve_waiting, timeout_s=initialization_timeout),
+        # a pod's DNS name exists once the pod has an address: there, wait as jax.distributed
+        # does; a Slurm node's name resolves or never will
+        resolve=functools.partial(
+            rootport.resolve_waiting,
+            timeout_s=initialization_timeout if env.get("JOB_COMPLETION_INDEX") is not None else 0,
+        ),
     )
     import jax  # JAX only when actually starting
 
