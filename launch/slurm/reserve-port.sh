@@ -6,7 +6,9 @@
 # The Neuron runtime's root communicator (NEURON_RT_ROOT_COMM_ID=<ip>:PORT, default 41000)
 # listens on rank 0's node. 41000 lies in Linux's default ephemeral range (32768-60999,
 # net.ipv4.ip_local_port_range), so any outgoing connection can take it first and the
-# collectives' start-up then hangs or fails. The kernel keeps the ports listed in
+# collectives' start-up then hangs (the Neuron troubleshooting answer to "Multiworker execution
+# hangs during NCCL init" is to reserve it: aws-neuron/aws-neuron-sdk archive/nxd-training/
+# training-troubleshooting.rst:318). The kernel keeps the ports listed in
 # net.ipv4.ip_local_reserved_ports (FILE, default /proc/sys/net/ipv4/ip_local_reserved_ports:
 # comma-separated ports and lo-hi ranges, Linux Documentation/networking/ip-sysctl.rst) out of
 # that draw, as AWS's trn2 samples do (aws-neuron/aws-neuron-eks-samples, llama3.1_8B_finetune_

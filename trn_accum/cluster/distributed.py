@@ -278,8 +278,8 @@ def _neuron_env(
     root_port = _port(env, "TRN_ACCUM_NEURON_ROOT_PORT", DEFAULT_NEURON_ROOT_PORT)
     if not plan.distributed:
         # One process still runs collectives over its own cores: the runtime guide
-        # (neuron-runtime/nrt-configurable-parameters) calls NEURON_RT_ROOT_COMM_ID mandatory
-        # for workloads with collectives; the root is this host.
+        # (neuron-runtime/guides/nrt-developer-guide.rst:1062) calls NEURON_RT_ROOT_COMM_ID
+        # mandatory for workloads with collectives; the root is this host.
         return {
             "NEURON_RT_ROOT_COMM_ID": env.get("NEURON_RT_ROOT_COMM_ID") or f"127.0.0.1:{root_port}"
         }

@@ -29,8 +29,9 @@ so a failure must take every rank down and bring every rank back:
 
 Ports and interface. Both listening ports (the Neuron root 41000, the coordinator 55527) lie in
 Linux's default ephemeral range 32768-60999, so the pod reserves them with the sysctl
-``net.ipv4.ip_local_reserved_ports`` (pod ``securityContext.sysctls``). It is namespaced per
-network namespace (kernel 3.16+), so it changes this pod only, and Kubernetes counts it among
+``net.ipv4.ip_local_reserved_ports`` (pod ``securityContext.sysctls``). It is per network
+namespace from kernel 3.16 (Linux commit 122ff243f5f1, "ipv4: make ip_local_reserved_ports per
+netns"), so it changes this pod only (never with hostNetwork), and Kubernetes counts it among
 the safe sysctls from 1.27 on kernel 3.16+ (https://kubernetes.io/docs/tasks/administer-cluster/
 sysctl-cluster/); on an older cluster it is unsafe: the kubelet must allow it
 (``--allowed-unsafe-sysctls=net.ipv4.ip_local_reserved_ports``) or the pod fails to start.

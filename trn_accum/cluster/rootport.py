@@ -1,17 +1,21 @@
 """The Neuron runtime's root address: a host resolved to an IPv4 address, a port reserved.
 
-``NEURON_RT_ROOT_COMM_ID`` is documented as ``<ip_address>:<port>`` (the Neuron runtime
-configuration page, https://awsdocs-neuron.readthedocs-hosted.com/en/latest/neuron-runtime/
-nrt-configurable-parameters.html), so `trn_accum.cluster.distributed` resolves the root host on
-each rank as it starts (`resolve_ipv4`, waiting up to the initialization timeout on Kubernetes,
-where a pod's DNS name appears only once the pod has an address).
+``NEURON_RT_ROOT_COMM_ID`` is documented as ``<ip_address:port>``, "mandatory for applications
+that run workloads containing Collective Communication operators" (the NeuronX Runtime
+developer guide, https://awsdocs-neuron.readthedocs-hosted.com/en/latest/neuron-runtime/guides/
+nrt-developer-guide.html; source aws-neuron/aws-neuron-sdk neuron-runtime/guides/
+nrt-developer-guide.rst:1062), so `trn_accum.cluster.distributed` resolves the root host on
+each rank as it starts (`resolve_ipv4`; in a Kubernetes pod it waits up to the initialization
+timeout, since a pod's DNS name appears only once the pod has an address).
 
 The root port listens on rank 0's host. Inside the ephemeral range (Linux default 32768-60999,
 ``net.ipv4.ip_local_port_range``) any outgoing connection may take it first; the kernel's
 ``net.ipv4.ip_local_reserved_ports`` (a comma-separated list of ports and ``lo-hi`` ranges,
-Documentation/networking/ip-sysctl.rst) keeps it out of that draw, as AWS's trn2 samples do
-(aws-neuron/aws-neuron-eks-samples, llama3.1_8B_finetune_ray_ptl_neuron/llama3_finetune/
-tp_zero1_llama3_8b_hf_finetune_ptl.sh:53, ``sysctl -w net.ipv4.ip_local_reserved_ports=...``).
+Linux Documentation/networking/ip-sysctl.rst) keeps it out of that draw: the Neuron
+troubleshooting answer to "Multiworker execution hangs during NCCL init" is to reserve the
+port of NEURON_RT_ROOT_COMM_ID so (aws-neuron/aws-neuron-sdk archive/nxd-training/
+training-troubleshooting.rst:318), and AWS's samples do (aws-neuron/aws-neuron-eks-samples,
+llama3.1_8B_finetune_ray_ptl_neuron/llama3_finetune/tp_zero1_llama3_8b_hf_finetune_ptl.sh:53).
 `port_reserved` reads that list; `port_bind_error` is the bind test `neuron-check` runs.
 """
 
