@@ -124,6 +124,7 @@ def test_kernel_pair_plan_job_shape_per_device():
     (job,) = plan(batch=2, lnc=2)  # 24/4 = 6 heads, 8/4 = 2 KV: B*KV = 4, never odd
     assert (job.batch, job.heads, job.kv_heads, job.seq, job.bkv) == (2, 6, 2, 8192, 4)
     assert "odd" not in job.why
+    assert "(B*KV=4 backward samples, B*H=12 forward batch;" in job.label()
 
 
 def test_kernel_pair_plan_odd_bkv_at_lnc2():

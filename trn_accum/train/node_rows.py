@@ -119,7 +119,8 @@ class PairShape:
     def label(self) -> str:
         return (
             f"B={self.batch} H={self.heads} KV={self.kv_heads} S={self.seq} "
-            f"Dh={self.head_dim} (B*KV={self.bkv}; {self.why})"
+            f"Dh={self.head_dim} (B*KV={self.bkv} backward samples, B*H={self.batch * self.heads}"
+            f" forward batch; {self.why})"
         )
 
 
