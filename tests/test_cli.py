@@ -160,6 +160,42 @@ def test_external_sigterm_saves_and_exits_75(tmp_path):
     assert (run / "checkpoints" / str(last)).is_dir()
 
 
+@pytest.mark.slow
+def test_sigterm_during_the_first_compile_exits_75_at_once(tmp_path):
+    """The signal arrives right after the "training ..." line, i.e. while the step compiles: the
+    trainer exits 75 without waiting for XLA (a trn2 compile of the 3B step outlasts a grace
+    period), writes no checkpoint and releases its claim; the next start trains normally."""
+    run = tmp_path / "run"
+    args = ["train", "--config", TINY, "--run-dir", run, "--set", "trainer.steps=2"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trn_accum.cli", *map(str, args)],
+        env=subprocess_env(),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        for line in proc.stdout:
+            if line.startswith("training "):
+                proc.send_signal(signal.SIGTERM)
+                break
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == EXIT_PREEMPTED, (out, err[-3000:])
+    assert "while compiling the train step, before step 1: nothing new to save" in out, out
+    assert "compiled the train step" not in out and "Traceback" not in err, (out, err)
+    assert not (run / "owner.json").exists() and not list((run / "checkpoints").iterdir())
+    r = subprocess.run(
+        [sys.executable, "-m", "trn_accum.cli", *map(str, args)],
+        env=subprocess_env(), cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert [m["step"] for m in read_metrics(run) if m["kind"] == "train"] == [1, 2]
+
+
 @pytest.mark.xdist_group("trn_cli_done_run")
 @pytest.mark.slow
 def test_two_processes_train_then_resume_on_one(done_run, tmp_path):
@@ -336,6 +372,10 @@ def _bad_cases(base):
             ["dry-run", "--config", TINY, "--nodes", "99999999"],
             "--nodes 99999999: must be 1..4096",
         ),
+        "dry-run unknown step-time mesh": (
+            ["dry-run", "--config", TINY, "--step-time-meshes", "hybrid,ring"],
+            "mesh names are hybrid, hybrid-m2, hybrid-m1, reference",
+        ),
         "plot without metrics": (["plot", base / "tok"], "metrics.jsonl"),
         "neuron_flash without Neuron": (
             t + ["--set", "model.attention=neuron_flash"],
@@ -414,3 +454,39 @@ def test_cpu_fallback_flags_only_on_cpu():
     env = {"JAX_PLATFORMS": "neuron,cpu"}
     cpu_fallback_flags(env)  # a Neuron run is left alone
     assert "XLA_FLAGS" not in env
+
+
+@pytest.mark.parametrize(
+    "argv, fragments",
+    [
+        (["--", "--config", TINY, "--set", "trainer.notakey=1"], ["trainer.notakey"]),
+        (["--", "--config", TINY, "--set", "trainer.steps=abc"], ["trainer.steps", "abc"]),
+        (["--", "--config", TINY, "--stepz", "3"], ["--stepz"]),
+        (["--", "--config", "configs/nope.toml"], ["configs/nope.toml", "does not exist"]),
+        (["--"], ["--config"]),
+        (
+            ["--only-config-args", "--", "--config", TINY, "--mode", "x", "--set=trainer.steps=a"],
+            ["trainer.steps"],
+        ),
+    ],
+)
+def test_check_config_refuses_what_train_would(argv, fragments, capsys):
+    """`trn-accum check-config -- ARGS`: what `trn-accum train ARGS` refuses at start, one
+    line and exit 2, without training (the Slurm script runs it before srun)."""
+    from trn_accum import cli as trn_cli
+
+    assert trn_cli.main(["check-config", *argv]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and err.startswith("trn-accum: error:")
+    assert all(f in err for f in fragments), err
+
+
+def test_check_config_accepts_what_train_accepts(capsys):
+    from trn_accum import cli as trn_cli
+
+    ok = ["--config", TINY, "--set", "trainer.steps=3", "--run-dir", "runs/x"]
+    assert trn_cli.main(["check-config", "--", *ok]) == 0
+    assert capsys.readouterr().out.strip().endswith("with 1 --set override(s): ok")
+    # a substituted trainer's own options pass; its --config and --set are still checked
+    assert trn_cli.main(["check-config", "--only-config-args", "--", *ok, "--mode", "psum"]) == 0
+    assert trn_cli.main(["check-config", "--", *ok, "--mode", "psum"]) == 2

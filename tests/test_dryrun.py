@@ -40,7 +40,8 @@ def test_reduced_depth_3b_dry_run_on_64_devices(mesh_sets, all_nodes):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)  # the CLI sets 64 devices itself
     sets = [a for m in mesh_sets for a in ("--set", m)]
-    step_time = [] if not mesh_sets else ["--no-step-time"]  # the model once, on the config
+    # the model once, on the config, its candidates on one mesh (all four: `make bench`)
+    step_time = ["--step-time-meshes", "hybrid-m2"] if not mesh_sets else ["--no-step-time"]
     r = subprocess.run(
         [sys.executable, "-m", "trn_accum.cli", "dry-run", "--config", F3B, "--devices", "64",
          "--set", "model.num_layers=2", *sets, *step_time, "--json"],
@@ -66,7 +67,10 @@ def test_reduced_depth_3b_dry_run_on_64_devices(mesh_sets, all_nodes):
         from trn_accum.train.perfmodel import SCALE_NODES
 
         assert st["recommendation"]["candidate"] in [c["candidate"] for c in st["candidates"]]
-        assert {c["candidate"]["mesh"] for c in st["candidates"]} == set(rec.MESHES)
+        assert {c["candidate"]["mesh"] for c in st["candidates"]} == {"hybrid-m2"}
+        assert st["recommendation"]["candidate"]["mesh_shape"] == rec.MESHES["hybrid-m2"] | {
+            "data": 1
+        }
         for c in st["candidates"]:
             assert set(c["candidate"]["mesh_shape"]) == {"data", "fsdp", "model"}
             s = c["summary"]

@@ -265,6 +265,15 @@ def test_binary_config_and_prepare_data_of_a_directory(tmp_path):
     user_error_line(r, EXIT_USAGE, f"text file {docs} is a directory")
 
 
+def test_run_dir_path_that_is_not_utf8_is_one_line_before_training(tmp_path):
+    """orbax/tensorstore store paths as UTF-8: such a run dir would train and then fail every
+    save; it is refused at start, nothing created."""
+    run = os.fsdecode(os.fsencode(str(tmp_path)) + b"/r\xffx")
+    r = cli("train", "--config", TINY, "--run-dir", run, "--set", "trainer.steps=1")
+    user_error_line(r, EXIT_USAGE, "has the byte b'\\xff', which is not UTF-8", "--run-dir")
+    assert os.listdir(tmp_path) == []
+
+
 @pytest.mark.slow
 def test_every_step_non_finite_stops_in_one_line(tmp_path):
     """init_std 1e30 overflows every forward pass: all 4 steps are skipped; the run is

@@ -121,6 +121,24 @@ def test_other_host_fresh_refused_stale_taken_over(tmp_path):
         assert "heartbeat is 1000 s old (stale after 120 s)" in said[0]
 
 
+def test_heartbeat_from_the_future_beyond_the_skew_bound_is_stale(tmp_path):
+    """Clock skew within MAX_SKEW_S keeps a claim alive; a heartbeat far in the future (a clock
+    far off, a torn write: the issue's -999999998203701504 s) is taken over, not refused forever."""
+    _foreign(tmp_path, heartbeat_age=-(rundir.MAX_SKEW_S - 5))
+    with pytest.raises(RunDirError, match="host other-host"):
+        Claim(tmp_path, say=_quiet).acquire()
+    _foreign(tmp_path, heartbeat_age=-1e18)
+    said = []
+    with Claim(tmp_path, say=said.append).acquire():
+        assert "in the future (beyond the 60 s clock-skew bound)" in said[0], said
+    path = tmp_path / rundir.CLAIM_FILE
+    path.write_bytes(b"torn")
+    future = time.time() + 1e6
+    os.utime(path, (future, future))
+    with Claim(tmp_path, say=said.append).acquire():
+        assert "unreadable claim file" in said[-1] and "in the future" in said[-1], said
+
+
 @pytest.mark.parametrize("garbage", [b"\xff\xfe\x00torn", b'{"format": "trn_accum.cl', b"[1, 2]"])
 def test_garbage_claim_is_refused_while_fresh_and_taken_over_when_old(tmp_path, garbage):
     path = tmp_path / rundir.CLAIM_FILE

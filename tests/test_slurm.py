@@ -381,3 +381,64 @@ def test_neuron_check_option_fails_the_job_before_training(cluster, tmp_path):
     text = log.read_text()
     assert any(x.startswith("FAIL") and " lnc " in x for x in text.splitlines()), text
     assert "neuron-check failed (exit 1), not training" in _batch_log(tmp_path, job)
+
+
+# ----------------------------------------------------------------------------- the config check
+
+BAD_SETS = [
+    (["--set", "trainer.notakey=1"], "trainer.notakey"),
+    (["--set", "trainer.steps=abc"], "trainer.steps"),
+]
+
+
+def _script_without_slurm(tmp: Path, env: dict, *args: str) -> subprocess.CompletedProcess:
+    """The sbatch script run by bash outside Slurm, with an `srun` on PATH that only records
+    that it was called."""
+    fake = tmp / "bin"
+    fake.mkdir(exist_ok=True)
+    (fake / "srun").write_text(f"#!/bin/sh\necho srun >> {tmp}/srun-calls\nexit 0\n")
+    (fake / "srun").chmod(0o755)
+    env = {**env, "PATH": f"{fake}{os.pathsep}{env['PATH']}"}
+    return subprocess.run(
+        ["bash", str(SBATCH), *args], env=env, cwd=tmp, capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.mark.parametrize("substituted", [False, True], ids=["trainer", "TRN_ACCUM_TRAIN"])
+@pytest.mark.parametrize("bad, key", BAD_SETS, ids=["unknown-key", "not-an-int"])
+def test_script_refuses_a_bad_set_before_srun(tmp_path, bad, key, substituted):
+    """The batch shell checks the config with the trainer's loader before srun starts a rank:
+    one line naming the key, exit 2, srun never called, no run directory. A substituted
+    trainer (TRN_ACCUM_TRAIN) keeps its own options (--mode) and still gets --set checked."""
+    run = tmp_path / "run"
+    env = job_env(tmp_path, run)
+    extra = ["--mode", "psum"] if substituted else []
+    if not substituted:
+        del env["TRN_ACCUM_TRAIN"]
+    out = _script_without_slurm(tmp_path, env, *extra, *bad)
+    assert out.returncode == 2, out.stdout + out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("trn-accum: error:"), out.stderr
+    assert key in lines[0]
+    assert not (tmp_path / "srun-calls").exists()
+    assert not run.exists()
+
+
+def test_script_passes_a_good_config_to_srun(tmp_path):
+    run = tmp_path / "run"
+    env = {**job_env(tmp_path, run), "SLURM_JOB_ID": "7", "SLURM_JOB_NAME": "t"}
+    out = _script_without_slurm(tmp_path, env, "--mode", "psum", "--set", "trainer.steps=3")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "check-config: configs/fuji-tiny.toml with 1 --set override(s): ok" in out.stdout
+    assert (tmp_path / "srun-calls").read_text().split() == ["srun"]
+
+
+def test_sbatch_bad_set_fails_the_job_before_any_rank_starts(cluster, tmp_path):
+    run = tmp_path / "run"
+    env = job_env(tmp_path, run)
+    job = sbatch(cluster, tmp_path, env, "--mode", "psum", "--set", "trainer.steps=abc")
+    wait_for(lambda: cluster.job_field(job, "JobState") in ("FAILED", "COMPLETED"), 120, "job")
+    assert cluster.job_field(job, "ExitCode") == "2:0"
+    assert not (run / "starts").exists()  # no rank ever ran
+    errors = [ln for ln in _batch_log(tmp_path, job).splitlines() if "error" in ln.lower()]
+    assert errors == ["trn-accum: error: trainer.steps = 'abc': must be an integer"], errors

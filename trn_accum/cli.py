@@ -1,14 +1,16 @@
-"""`trn-accum`: train | dry-run | neuron-check | neuron-env | prepare-data | plot | render-eks.
+"""`trn-accum`: train | dry-run | neuron-check | neuron-env | prepare-data | plot | render-eks |
+check-config.
 
     trn-accum train --config FILE [--set section.key=value ...] [--run-dir DIR]
                     [--profile START:STOP] [--allow-config-change KEY ...]
     trn-accum dry-run --config FILE [--set ...] [--devices 64] [--nodes N] [--json]
-                      [--no-step-time]
+                      [--no-step-time | --step-time-meshes NAME[,NAME...]]
     trn-accum neuron-check [--config FILE] [--run-dir DIR] [--json]   first thing on trn2
     trn-accum neuron-env                 the trn2 environment as shell `export` lines
     trn-accum prepare-data TEXT_FILES... --out DIR [--tokenizer bytes|tokenizer.json]
     trn-accum plot RUN_DIR [-o FILE.png]
     trn-accum render-eks --nodes N --image IMAGE [...]
+    trn-accum check-config [--only-config-args] -- TRAIN_ARGS...   what `train` would refuse
 
 Exit codes (`trn_accum.errors`): 0 success; 1 a check failed (dry-run blockers, a failing
 neuron-check row) or a bug (with its traceback); 2 a user error (bad config, data, checkpoint,
@@ -125,6 +127,19 @@ MAX_DRY_RUN_DEVICES = 1024
 MAX_DRY_RUN_NODES = 4096
 
 
+def _mesh_names(text: str) -> tuple[str, ...]:
+    """--step-time-meshes: comma-separated names of `recommend.MESHES`."""
+    from trn_accum.analysis.recommend import MESHES
+
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    bad = [n for n in names if n not in MESHES]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: mesh names are {', '.join(MESHES)} (comma-separated)"
+        )
+    return names
+
+
 def _cmd_dry_run(args) -> int:
     if not 1 <= args.devices <= MAX_DRY_RUN_DEVICES:
         raise UsageError(
@@ -149,6 +164,7 @@ def _cmd_dry_run(args) -> int:
         devices=args.devices,
         nodes=args.nodes,
         step_time=args.step_time,
+        step_time_meshes=args.step_time_meshes,
     )
     print(dryrun.format_report(report, as_json=args.json))
     return EXIT_FAILED if report.get("blockers") else EXIT_OK
@@ -195,13 +211,38 @@ def _cmd_plot(args) -> int:
     return EXIT_OK
 
 
+def check_train_args(train_args: list[str], *, only_config_args: bool = False) -> str:
+    """What `trn-accum train TRAIN_ARGS` would refuse before it starts, refused now (UsageError,
+    ConfigError: one line, exit 2): the train parser, then the config with its --set overrides
+    through the trainer's own loader. only_config_args: only --config and --set are read (the
+    other arguments belong to a substituted trainer, e.g. the Slurm script's TRN_ACCUM_TRAIN).
+    Returns the config path."""
+    from trn_accum.train.config import load_config
+
+    if only_config_args:
+        parser = _Parser(prog=f"{PROG} train")
+        _config_args(parser)
+        args, _ = parser.parse_known_args(train_args)
+    else:
+        args = build_parser().parse_args(["train", *train_args])
+    load_config(args.config, args.overrides)  # ConfigError: the line the trainer would print
+    return args.config
+
+
+def _cmd_check_config(args) -> int:
+    train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
+    config = check_train_args(train_args, only_config_args=args.only_config_args)
+    overrides = sum(a == "--set" or a.startswith("--set=") for a in train_args)
+    print(f"{PROG} check-config: {config} with {overrides} --set override(s): ok")
+    return EXIT_OK
+
+
 def _check_rendered_job(args, train_args: list[str]) -> None:
     """What every pod would refuse, refused now (one line, exit 2): the config with its --set
     overrides through the trainer's own loader (the path is the image's, relative to the
     repository: read from this checkout), the --train-arg values through the train parser,
     and a run directory outside the checkpoint volume unless accepted explicitly."""
     from trn_accum.cluster import eks
-    from trn_accum.train.config import load_config
 
     if not os.path.isfile(args.config):
         raise UsageError(
@@ -209,8 +250,7 @@ def _check_rendered_job(args, train_args: list[str]) -> None:
             "image's, relative to the repository: render from the repository root of the "
             "revision the image was built from"
         )
-    load_config(args.config, args.set)  # ConfigError: the line the trainer would print
-    build_parser().parse_args(["train", "--config", args.config, *train_args])
+    check_train_args(["--config", args.config, *train_args])
     run_dir = args.run_dir
     mount = eks.CHECKPOINT_MOUNT
     if run_dir is not None and not args.run_dir_outside_volume:
@@ -307,8 +347,16 @@ def build_parser() -> argparse.ArgumentParser:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="the trn2 step-time model: bytes by link, step time / MFU bounds for the config "
-        "and candidates, a recommendation (default on; about 40 s more for the 3B config; "
-        "--no-step-time skips it)",
+        "and candidates, a recommendation (default on; a few minutes more for the 3B config on "
+        "2 cores; --no-step-time skips it)",
+    )
+    d.add_argument(
+        "--step-time-meshes",
+        type=_mesh_names,
+        default=None,
+        metavar="NAME[,NAME...]",
+        help="price only these candidate meshes (default every one of "
+        "trn_accum.analysis.recommend.MESHES: hybrid, hybrid-m2, hybrid-m1, reference)",
     )
     d.set_defaults(func=_cmd_dry_run)
 
@@ -347,6 +395,21 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("run_dir", metavar="RUN_DIR")
     pl.add_argument("-o", "--out", metavar="FILE.png", default=None)
     pl.set_defaults(func=_cmd_plot)
+
+    cc = sub.add_parser(
+        "check-config",
+        help="refuse now what `trn-accum train ARGS` would refuse at start (the train parser, "
+        "the config with its --set overrides); the Slurm script runs it before srun",
+    )
+    cc.add_argument(
+        "--only-config-args",
+        action="store_true",
+        help="read only --config and --set from ARGS (the rest belong to another trainer)",
+    )
+    cc.add_argument(
+        "train_args", nargs=argparse.REMAINDER, metavar="-- ARGS", help="the train arguments"
+    )
+    cc.set_defaults(func=_cmd_check_config)
 
     r = sub.add_parser(
         "render-eks", help="write the EKS manifests (headless Service + Indexed Job) for N nodes"

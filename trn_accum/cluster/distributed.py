@@ -26,17 +26,18 @@ Neuron runtime configuration page):
 ``NEURON_PJRT_PROCESSES_NUM_DEVICES`` ("64,64,..."; devices per process from
 ``TRN_ACCUM_DEVICES_PER_PROCESS``, else the count of ``NEURON_RT_VISIBLE_CORES``, else
 128 / ``NEURON_LOGICAL_NC_CONFIG`` for a trn2.48xlarge), ``NEURON_PJRT_PROCESS_INDEX`` (the
-rank) and ``NEURON_RT_ROOT_COMM_ID`` (``<coordinator host's IPv4 address>:<port>``, the port
-``TRN_ACCUM_NEURON_ROOT_PORT``, default 41000: the runtime documents ``<ip_address>:<port>``, so
-the host is resolved on each rank as it starts, `trn_accum.cluster.rootport`; one that does not
-resolve is a one-line LaunchError naming it; the port is outside JAX's Slurm range
-61440-65535, so the two never collide; one process: ``127.0.0.1:<port>``, since the runtime
-wants it for any workload with collectives). A value already in the environment wins (and is
-not resolved). ``initialize`` exports them and selects the rbg PRNG
+rank) and ``NEURON_RT_ROOT_COMM_ID`` (``<ip>:<port>``, the runtime's documented form: process
+0's host resolved on each rank by `trn_accum.cluster.rootport`, a one-line LaunchError naming it
+where it does not resolve; the port ``TRN_ACCUM_NEURON_ROOT_PORT``, default 41000, outside JAX's
+Slurm range 61440-65535; one process: ``127.0.0.1:<port>``, the runtime wants it for any
+workload with collectives). A value already in the environment wins, as given.
+``initialize`` exports them and selects the rbg PRNG
 (``jax_default_prng_impl``), since Threefry is not fully supported on Neuron.
 
 Bad values raise ``LaunchError`` (a ``ValueError``) with one line naming the variable, the rule
-and a fix. JAX is imported inside ``initialize`` only: deriving a plan starts nothing. On Neuron,
+and a fix; so do ranks that disagree on the process count (``trn_accum.cluster.agreement``: each
+rank shows rank 0 its count before JAX starts, since JAX would use rank 0's and wait or run on).
+JAX is imported inside ``initialize`` only: deriving a plan starts nothing. On Neuron,
 ``initialize`` also applies ``trn_accum.neuron.platform.trn2_env`` (the values
 ``launch/env/trn2.sh`` exports; what is already set wins) and selects the rbg PRNG.
 """
@@ -44,12 +45,11 @@ and a fix. JAX is imported inside ``initialize`` only: deriving a plan starts no
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import re
 from collections.abc import Callable, Mapping
 
-from trn_accum.cluster import rootport
+from trn_accum.cluster import agreement, rootport
 from trn_accum.errors import UserError
 from trn_accum.neuron import platform
 
@@ -92,6 +92,7 @@ class LaunchPlan:
       names), else ().
     neuron_env: the Neuron launch variables to export before the backend starts (one process:
       only NEURON_RT_ROOT_COMM_ID, this host; empty off Neuron).
+    num_processes_from: where num_processes was read (a variable or argument name).
     """
 
     mode: str
@@ -100,6 +101,7 @@ class LaunchPlan:
     coordinator: str | None = None
     hosts: tuple[str, ...] = ()
     neuron_env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    num_processes_from: str = "TRN_ACCUM_NUM_PROCESSES"
 
     @property
     def coordinator_host(self) -> str | None:
@@ -272,36 +274,34 @@ def neuron_devices_per_process(env: Mapping[str, str]) -> int:
     return platform.devices_per_node(lnc)
 
 
-def _neuron_env(
-    env: Mapping[str, str], plan: LaunchPlan, resolve: Callable[[str], str] | None
-) -> dict[str, str]:
+def _neuron_env(env: Mapping[str, str], plan: LaunchPlan, resolve) -> dict[str, str]:
     root_port = _port(env, "TRN_ACCUM_NEURON_ROOT_PORT", DEFAULT_NEURON_ROOT_PORT)
-    if not plan.distributed:
-        # One process still runs collectives over its own cores: the runtime guide
-        # (neuron-runtime/guides/nrt-developer-guide.rst:1062) calls NEURON_RT_ROOT_COMM_ID
-        # mandatory for workloads with collectives; the root is this host.
-        return {
-            "NEURON_RT_ROOT_COMM_ID": env.get("NEURON_RT_ROOT_COMM_ID") or f"127.0.0.1:{root_port}"
-        }
-    per = neuron_devices_per_process(env)
-    derived = {
-        "NEURON_PJRT_PROCESSES_NUM_DEVICES": ",".join([str(per)] * plan.num_processes),
-        "NEURON_PJRT_PROCESS_INDEX": str(plan.process_id),
-    }
+    # The runtime guide (neuron-runtime/guides/nrt-developer-guide.rst:1062) calls it mandatory
+    # with collectives: one process too (its cores' collectives; the root is this host).
     try:
-        derived["NEURON_RT_ROOT_COMM_ID"] = env.get("NEURON_RT_ROOT_COMM_ID") or (
+        root = env.get("NEURON_RT_ROOT_COMM_ID") or (
             rootport.root_comm_id(str(plan.coordinator_host), root_port, resolve)
+            if plan.distributed
+            else f"127.0.0.1:{root_port}"
         )
     except ValueError as e:
         raise LaunchError(str(e)) from None
-    return {k: env.get(k) or v for k, v in derived.items()}
+    if not plan.distributed:
+        return {"NEURON_RT_ROOT_COMM_ID": root}
+    derived = {
+        "NEURON_PJRT_PROCESSES_NUM_DEVICES": ",".join(
+            [str(neuron_devices_per_process(env))] * plan.num_processes
+        ),
+        "NEURON_PJRT_PROCESS_INDEX": str(plan.process_id),
+    }
+    return {**{k: env.get(k) or v for k, v in derived.items()}, "NEURON_RT_ROOT_COMM_ID": root}
 
 
 def _explicit(env, coordinator, num_processes, process_id) -> LaunchPlan:
-    if num_processes is not None:
-        num = _int("num_processes", str(num_processes), minimum=1)
-    else:
-        num = _int("TRN_ACCUM_NUM_PROCESSES", env.get("TRN_ACCUM_NUM_PROCESSES", "1"), minimum=1)
+    num_name = "TRN_ACCUM_NUM_PROCESSES" if num_processes is None else "num_processes"
+    num = _int(
+        num_name, env.get(num_name, "1") if num_processes is None else str(num_processes), minimum=1
+    )
     pid_name = (
         "TRN_ACCUM_PROCESS_ID"
         if process_id is None and env.get("TRN_ACCUM_PROCESS_ID") is not None
@@ -317,7 +317,9 @@ def _explicit(env, coordinator, num_processes, process_id) -> LaunchPlan:
             f"num_processes={num} needs a coordinator: set TRN_ACCUM_COORDINATOR=host:port "
             f"(process 0's host and a free port) or pass coordinator='host:port'"
         )
-    return LaunchPlan("explicit", num, pid, _address("coordinator", coord))
+    return LaunchPlan(
+        "explicit", num, pid, _address("coordinator", coord), num_processes_from=num_name
+    )
 
 
 def _kubernetes(env: Mapping[str, str]) -> LaunchPlan:
@@ -364,7 +366,7 @@ def _slurm(env: Mapping[str, str]) -> LaunchPlan:
         coord = _address("JAX_COORDINATOR_ADDRESS", env["JAX_COORDINATOR_ADDRESS"])
     else:
         coord = f"{hosts[0]}:{slurm_coordinator_port(env)}"
-    return LaunchPlan("slurm", num, pid, coord, hosts)
+    return LaunchPlan("slurm", num, pid, coord, hosts, num_processes_from="SLURM_NTASKS")
 
 
 def derive_launch(
@@ -379,8 +381,7 @@ def derive_launch(
     """The launch plan of this process: a function of `env` and the explicit arguments.
 
     `neuron`: whether the Neuron backend will run (None: `JAX_PLATFORMS` names "neuron").
-    `resolve`: host -> IPv4 address for NEURON_RT_ROOT_COMM_ID (default
-    `rootport.resolve_ipv4`, one lookup: the only side effect, on multi-process Neuron plans).
+    `resolve`: host -> IPv4 for NEURON_RT_ROOT_COMM_ID (default `rootport.resolve_ipv4`).
     Raises LaunchError (one line) on missing or inconsistent values.
     """
     if any(v is not None for v in (coordinator, num_processes, process_id)) or env.get(
@@ -439,8 +440,9 @@ def initialize(
 
     Single process: starts nothing. Slurm: `jax.distributed.initialize` detects the step itself
     from `os.environ` (the plan must agree; checked after start-up). Kubernetes / explicit:
-    the plan's values, with JAX's cluster detection off. Idempotent: a second call returns the
-    same info.
+    the plan's values, with JAX's cluster detection off, once every rank has shown rank 0 the
+    same process count (`trn_accum.cluster.agreement`; within `initialization_timeout`).
+    Idempotent: a second call returns the same info.
     Does not start the JAX backend (no devices are queried).
     """
     env = os.environ if env is None else env
@@ -452,12 +454,7 @@ def initialize(
         num_processes=num_processes,
         process_id=process_id,
         neuron=neuron,
-        # a pod's DNS name exists once the pod has an address: there, wait as jax.distributed
-        # does; a Slurm node's name resolves or never will
-        resolve=functools.partial(
-            rootport.resolve_waiting,
-            timeout_s=initialization_timeout if env.get("JOB_COMPLETION_INDEX") is not None else 0,
-        ),
+        resolve=rootport.launch_resolver(env, initialization_timeout),
     )
     import jax  # JAX only when actually starting
 
@@ -486,6 +483,11 @@ def initialize(
                 f"says {plan.process_id} of {plan.num_processes}: check SLURM_PROCID/SLURM_NTASKS"
             )
     else:
+        # the coordinator's count rules in JAX: compare every rank's first (agreement.py)
+        claim = agreement.Claim(plan.process_id, plan.num_processes, plan.num_processes_from)
+        problem = agreement.check_count(claim, plan.coordinator, initialization_timeout)
+        if problem is not None:
+            raise LaunchError(problem)
         jax.distributed.initialize(
             plan.coordinator,
             plan.num_processes,

@@ -21,12 +21,14 @@ llama3.1_8B_finetune_ray_ptl_neuron/llama3_finetune/tp_zero1_llama3_8b_hf_finetu
 
 from __future__ import annotations
 
+import functools
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 __all__ = [
     "RESERVED_PORTS_FILE",
+    "launch_resolver",
     "parse_port_list",
     "port_bind_error",
     "port_reserved",
@@ -67,6 +69,14 @@ def resolve_waiting(
             if clock() + poll_s > deadline:
                 raise
             sleep(poll_s)
+
+
+def launch_resolver(env: Mapping[str, str], timeout_s: float) -> Callable[[str], str]:
+    """The resolver a starting rank uses: in a Kubernetes pod (JOB_COMPLETION_INDEX set) it
+    waits up to `timeout_s` for the root pod's name (it appears once that pod has an address);
+    elsewhere (a Slurm node's name resolves or never will) one attempt."""
+    wait = timeout_s if env.get("JOB_COMPLETION_INDEX") is not None else 0.0
+    return functools.partial(resolve_waiting, timeout_s=wait)
 
 
 def root_comm_id(host: str, port: int, resolve: Callable[[str], str] | None = None) -> str:

@@ -12,9 +12,10 @@ size), so a resumed run sees the batches it would have seen and every process bu
 
 - ``SyntheticDataset``: a fixed random first-order Markov chain (seeded), some rows cut short
   and padded (minibatches carry unequal numbers of real tokens). No files.
-- ``TokenDataset``: a flat token file (uint16/uint32, ``np.memmap``), a document-offsets file
-  and a JSON sidecar (read as possibly garbage: every field is checked), written by
-  ``trn_accum.train.prepare``. Documents are cut into windows of ``seq_len + 1`` tokens
+- ``TokenDataset``: a flat token file (uint16/uint32, read with ``os.pread``), a
+  document-offsets file and a JSON sidecar (read as possibly garbage: every field is checked;
+  `trn_accum.train.tokens`), written by ``trn_accum.train.prepare``; every id of a host batch is
+  checked against the model's vocabulary. Documents are cut into windows of ``seq_len + 1`` tokens
   (neighbours share one token); a short document or last window is padded (``target_mask``
   0). No packing across documents. A held-out set of documents forms the eval split.
 
@@ -24,28 +25,24 @@ size), so a resumed run sees the batches it would have seen and every process bu
 
 from __future__ import annotations
 
-import json
-import os
-from collections.abc import Mapping, Sequence
+import functools
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
 
-from trn_accum.errors import UserError
+from trn_accum.train.tokens import (  # noqa: F401  (DataError, read_meta: this module's API too)
+    DataError,
+    TokenFile,
+    check_ids,
+    check_vocab,
+    fingerprint,
+    read_meta,
+)
 
-FORMAT = "trn_accum.tokens/1"
-META_FILE = "meta.json"
-TOKENS_FILE = "tokens.bin"
-OFFSETS_FILE = "offsets.npy"
-BYTES_EOS_ID = 256
-BYTES_VOCAB_SIZE = 257
 _SPLITS = {"train": 0, "eval": 1}
 BATCH_KEYS = ("input_ids", "target_labels", "target_mask")
 DATA_KINDS = ("synthetic", "tokens")
-
-
-class DataError(UserError):
-    """A user-caused data problem; the message is one line: value, rule, fix."""
 
 
 class Dataset(Protocol):
@@ -186,97 +183,6 @@ class SyntheticDataset:
         return _assemble(windows, lengths)
 
 
-# --------------------------------------------------------------------------- token files
-
-
-def _resolve_meta_path(path: str) -> str:
-    return os.path.join(path, META_FILE) if os.path.isdir(path) else path
-
-
-_META_INTS = {"vocab_size": 1, "eos_id": 0, "num_tokens": 0, "num_documents": 0}
-_META_OPTIONAL_INTS = {"max_token_id": -1, "pad_id": 0}
-
-
-def _check_meta_fields(meta: Any, meta_path: str) -> None:
-    """DataError for a missing field, or one of the wrong type or range (garbage, foreign)."""
-    fix = "re-run `trn-accum prepare-data`"
-    required = ("dtype", *_META_INTS)
-    if missing := [k for k in required if not isinstance(meta, dict) or k not in meta]:
-        raise DataError(f"token metadata {meta_path} lacks {', '.join(missing)}: {fix}")
-    if meta["dtype"] not in ("uint16", "uint32"):
-        raise DataError(f"token dtype {meta['dtype']!r} in {meta_path} is not uint16/uint32: {fix}")
-    bad = [
-        (k, v, f"an integer >= {low}")
-        for k, low in (*_META_INTS.items(), *_META_OPTIONAL_INTS.items())
-        if type(v := meta.get(k, low)) is not int or v < low
-    ]
-    bad += [
-        (k, v, "a file name beside it")
-        for k in ("tokens_file", "offsets_file")
-        if not isinstance(v := meta.get(k, "x"), str) or not v or os.path.basename(v) != v
-    ]
-    if bad:
-        key, value, rule = bad[0]
-        raise DataError(
-            f"token metadata {meta_path}: {key} = {value!r} is not {rule} (damaged or "
-            f"foreign file): {fix}"
-        )
-
-
-def read_meta(path: str) -> dict[str, Any]:
-    """The JSON sidecar at `path` (a prepared directory or its meta.json), validated (every
-    field; both files exist; the token file holds exactly ``num_tokens`` tokens of ``dtype``),
-    with absolute ``tokens_path`` and ``offsets_path`` added. DataError otherwise."""
-    meta_path = _resolve_meta_path(path)
-    if not os.path.exists(meta_path):
-        raise DataError(
-            f"token data {meta_path} does not exist: run `trn-accum prepare-data TEXT_FILES "
-            f"--out DIR` and point the data path at DIR"
-        )
-    try:
-        with open(meta_path, encoding="utf-8") as f:
-            meta = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DataError(
-            f"token metadata {meta_path} is not readable JSON ({type(e).__name__}): "
-            f"re-run `trn-accum prepare-data`"
-        ) from None
-    _check_meta_fields(meta, meta_path)
-    base = os.path.dirname(os.path.abspath(meta_path))
-    tokens_path = os.path.join(base, meta.get("tokens_file", TOKENS_FILE))
-    offsets_path = os.path.join(base, meta.get("offsets_file", OFFSETS_FILE))
-    if missing := [p for p in (tokens_path, offsets_path) if not os.path.isfile(p)]:
-        raise DataError(
-            f"token data file {missing[0]} (named by {meta_path}) does not exist: re-run "
-            f"`trn-accum prepare-data` or restore the file"
-        )
-    expected = meta["num_tokens"] * np.dtype(meta["dtype"]).itemsize
-    if (actual := os.path.getsize(tokens_path)) != expected:
-        raise DataError(
-            f"token file {tokens_path} has {actual} bytes but {meta_path} says "
-            f"{meta['num_tokens']} {meta['dtype']} tokens = {expected} bytes (truncated or "
-            f"replaced): re-run `trn-accum prepare-data`"
-        )
-    if meta["num_tokens"] == 0 or meta["num_documents"] == 0:
-        raise DataError(
-            f"token data {meta_path} is empty ({meta['num_tokens']} tokens, "
-            f"{meta['num_documents']} documents): prepare it from non-empty text files"
-        )
-    return {**meta, "tokens_path": tokens_path, "offsets_path": offsets_path}
-
-
-def check_vocab(meta: Mapping[str, Any], model_vocab: int) -> None:
-    """Raise ``DataError`` when the data's token ids can reach past the model's vocabulary."""
-    data_vocab = int(meta["vocab_size"])
-    max_id = int(meta.get("max_token_id", data_vocab - 1))
-    if data_vocab > int(model_vocab) or max_id >= int(model_vocab):
-        raise DataError(
-            f"data vocab_size={data_vocab} (max token id {max_id}) is larger than the model's "
-            f"vocab_size={model_vocab}: raise the model's vocab_size to at least {data_vocab} "
-            f"or prepare the data with a smaller tokenizer"
-        )
-
-
 def _windows(offsets: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Cut documents into windows of seq_len+1 tokens sharing one token between neighbours.
 
@@ -296,7 +202,8 @@ def _windows(offsets: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray,
 
 
 class TokenDataset:
-    """Windows of a prepared token file, read through ``np.memmap``.
+    """Windows of a prepared token file (`trn_accum.train.tokens`), read with ``os.pread``;
+    every id of a host batch is checked against the model's vocabulary (`check_ids`).
 
     Train rows: sample ``i = step * batch_size + row`` of an endless stream that visits every
     train window once per epoch, in an order permuted with ``(seed, epoch)``. Eval rows: the
@@ -327,7 +234,8 @@ class TokenDataset:
         self.vocab_size = int(meta["vocab_size"])
         self.pad_id = int(meta.get("pad_id", meta["eos_id"]))
         n_tok, n_doc = int(meta["num_tokens"]), int(meta["num_documents"])
-        self.tokens = np.memmap(meta["tokens_path"], dtype=meta["dtype"], mode="r", shape=(n_tok,))
+        self.model_vocab = int(model_vocab) if model_vocab is not None else self.vocab_size
+        self.tokens = TokenFile(meta["tokens_path"], meta["dtype"], n_tok)
         try:
             offsets = np.load(meta["offsets_path"], mmap_mode="r", allow_pickle=False)
         except (OSError, ValueError) as e:
@@ -361,6 +269,11 @@ class TokenDataset:
         self.num_eval_windows = int(self._eval[0].size)
         self.eval_disjoint = bool(eval_mask.any())
         self._perm_cache: dict[int, np.ndarray] = {}
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """The data's identity in the run record (`trn_accum.train.tokens.fingerprint`)."""
+        return fingerprint(self.meta)
 
     def _held_out(self, doc: np.ndarray, n_doc: int, fraction: float) -> np.ndarray:
         n_win = doc.size
@@ -406,13 +319,16 @@ class TokenDataset:
         self, step: int, row_indices: np.ndarray, split: str = "train"
     ) -> dict[str, np.ndarray]:
         """The given rows (indices into the global batch of `step`) as int32/float32 [n, S]."""
-        ids = self.window_ids(step, row_indices, split)
+        rows = _check_rows(row_indices, self.batch_size)
+        ids = self.window_ids(step, rows, split)
         starts, lengths = self._eval if split == "eval" else self._train
         s1 = self.seq_len + 1
         windows = np.full((ids.size, s1), self.pad_id, np.int64)
         for j, w in enumerate(ids):
             a, n = int(starts[w]), int(lengths[w])
-            windows[j, :n] = self.tokens[a : a + n]
+            windows[j, :n] = self.tokens.read(a, n)
+        where = f"train step {step + 1}" if split == "train" else f"eval batch {step}"
+        check_ids(windows, self.model_vocab, rows=rows, where=where)
         return _assemble(windows, lengths[ids])
 
 

@@ -11,6 +11,12 @@ record. Free: what does not change the numbers (length, logging/eval/checkpoint 
 how the same math is laid out: accumulation is exact, so ``accum_steps``, ``loop``, ``reduce``,
 the mesh and the device or node count are free too). A key missing from an old record (added
 to the config later) is compared as its default.
+
+The record also holds the data's identity, ``data.fingerprint`` (`trn_accum.train.tokens.
+fingerprint` of a prepared token directory; None for synthetic data, which the config fully
+determines): data re-prepared into the same path between two runs is a trajectory change like
+any other (``--allow-config-change data`` or ``data.fingerprint`` accepts it). A record from
+before the fingerprint existed is not checked for it.
 """
 
 from __future__ import annotations
@@ -49,6 +55,8 @@ FREE_KEYS = frozenset(
     }
 )
 FREE_SECTIONS = frozenset({"mesh", "checkpoint"})
+# Keys of the run record that are not config keys; compared only when the old record has them.
+RECORD_KEYS = frozenset({"data.fingerprint"})
 
 
 class ConfigDriftError(UserError):
@@ -65,6 +73,13 @@ def flatten(cfg: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def run_record(cfg: Mapping[str, Any], data_fingerprint: str | None) -> dict[str, Any]:
+    """The run record: the config dict (`config_to_dict`) with ``data.fingerprint`` added."""
+    out = {k: dict(v) if isinstance(v, Mapping) else v for k, v in cfg.items()}
+    out.setdefault("data", {})["fingerprint"] = data_fingerprint
+    return out
+
+
 def is_free(key: str) -> bool:
     return key in FREE_KEYS or key.split(".", 1)[0] in FREE_SECTIONS
 
@@ -74,12 +89,13 @@ def trajectory_changes(
 ) -> dict[str, tuple[Any, Any]]:
     """{key: (old, new)} for every trajectory key whose value differs. A key missing from
     `old` (a record from before the key existed) counts as its default from `defaults`."""
-    before = {**flatten(defaults), **flatten(old)}
+    recorded = flatten(old)
+    before = {**flatten(defaults), **recorded}
     after = flatten(new)
     return {
         k: (before.get(k), after[k])
         for k in sorted(after)
-        if not is_free(k) and before.get(k) != after[k]
+        if not is_free(k) and (k not in RECORD_KEYS or k in recorded) and before.get(k) != after[k]
     }
 
 
@@ -160,3 +176,37 @@ def recorded_config(run_dir: str, checkpoint_meta: Any) -> tuple[dict | None, st
     ):
         return value, path
     return None, f"{path} is {problem or 'not a table of sections'}"
+
+
+def check_same_config(record: Mapping[str, Any]) -> None:
+    """ConfigDriftError, the same line on every process, when any process's config (a
+    `config_to_dict` record) differs from process 0's; nothing with one process. Every process
+    must call it (two all-gathers over the coordinator's processes: the lengths, then the
+    JSON bytes), so each can name every differing key and value."""
+    import jax
+    import numpy as np
+
+    n_proc = jax.process_count()
+    if n_proc == 1:
+        return
+    from jax.experimental import multihost_utils
+
+    raw = np.frombuffer(json.dumps(record, sort_keys=True, default=str).encode(), np.uint8)
+    lengths = np.asarray(multihost_utils.process_allgather(np.asarray([raw.size], np.int32)))
+    lengths = lengths.reshape(n_proc)
+    padded = np.zeros(int(lengths.max()), np.uint8)
+    padded[: raw.size] = raw
+    gathered = np.asarray(multihost_utils.process_allgather(padded)).reshape(n_proc, -1)
+    flat = [flatten(json.loads(bytes(gathered[i, : lengths[i]]))) for i in range(n_proc)]
+    differ = []
+    for i in range(1, n_proc):
+        a, b = flat[0], flat[i]
+        keys = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+        if keys:
+            shown = ", ".join(f"{k} {_show(a.get(k))} vs {_show(b.get(k))}" for k in keys)
+            differ.append(f"process {i} differs from process 0 in {shown}")
+    if differ:
+        raise ConfigDriftError(
+            f"the {n_proc} processes of this job do not run one config: {'; '.join(differ)}: "
+            f"give every process the same --config file and --set overrides"
+        )

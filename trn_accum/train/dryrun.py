@@ -96,9 +96,11 @@ def run(
     devices: int | None = None,
     nodes: int | None = None,
     step_time: bool = False,
+    step_time_meshes: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """Lower and compile the train step; returns the report (see the module docstring).
-    `step_time`: add the trn2 step-time model (`trn_accum.train.perfmodel`, own process)."""
+    `step_time`: add the trn2 step-time model (`trn_accum.train.perfmodel`, own process),
+    its candidates on `step_time_meshes` (names of `recommend.MESHES`; None = all)."""
     t_start = time.perf_counter()
     cfg = load_config(config_path, overrides)
     subs = substitutions(cfg)
@@ -108,7 +110,7 @@ def run(
     if step_time:
         try:
             report["step_time"] = perfmodel.run_in_subprocess(
-                config_path, overrides, report["nodes"]
+                config_path, overrides, report["nodes"], meshes=step_time_meshes
             )
         except perfmodel.StepTimeError as e:
             report["step_time"] = {"error": one_line(e)}

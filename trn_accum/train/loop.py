@@ -46,7 +46,7 @@ from trn_accum.train.metrics import (
     trailing_skipped,
     truncate_metrics,
 )
-from trn_accum.train.preemption import Preemption
+from trn_accum.train.preemption import Preemption, run_unless_signalled
 
 
 def resolve_accum_steps(cfg: Config, mesh: jax.sharding.Mesh) -> tuple[Config, Any]:
@@ -78,6 +78,12 @@ class Trainer:
     @property
     def state_shardings(self) -> dict:
         return self.program.state_shardings
+
+    @functools.cached_property
+    def record(self) -> dict:
+        """The run record: the config and the data's fingerprint (`drift.run_record`)."""
+        fp = self.dataset.fingerprint if hasattr(self.dataset, "fingerprint") else None
+        return drift.run_record(config_to_dict(self.cfg), fp)
 
     @classmethod
     def build(cls, cfg: Config, devices=None) -> Trainer:
@@ -141,6 +147,16 @@ class Trainer:
 
 
 def _prepare_run_dir(run_dir: str) -> None:
+    path = os.path.abspath(run_dir)
+    try:  # a byte that is not UTF-8 reaches Python as a lone surrogate (PEP 383)
+        path.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = path[e.start].encode("utf-8", "surrogateescape")
+        raise step.TrainError(
+            f"run dir {os.fsencode(path)!r} has the byte {bad!r}, which is not UTF-8: the "
+            f"checkpoint library (orbax over tensorstore) stores paths as UTF-8 and cannot save "
+            f"there; pass a --run-dir whose path is UTF-8"
+        ) from None
     try:
         make_writable_dir(run_dir)
     except OSError as e:
@@ -168,7 +184,8 @@ def run(
     jax.profiler trace of the steps numbered start..stop-1, numbered as logged: from 1).
     """
     cfg = load_config(config_path, overrides)
-    allowed = drift.check_allowed_keys(allow_config_change, config_to_dict(Config()))
+    defaults = drift.run_record(config_to_dict(Config()), None)
+    allowed = drift.check_allowed_keys(allow_config_change, defaults)
     # jax.distributed first: in a multi-process run it installs JAX's own SIGTERM notifier,
     # which would replace our handler if it came after it (then SIGTERM saves nothing).
     distributed.initialize()  # Slurm / Kubernetes / explicit env; the Neuron env on trn2
@@ -178,20 +195,22 @@ def run(
         return _run(cfg, pre, run_dir=run_dir, profile=profile, console=console, allowed=allowed)
 
 
-def _config_changes(cfg: Config, ckpt, at: int, run_dir: str, allowed: set[str], say) -> dict:
-    """The allowed trajectory changes against the config checkpoint `at` was trained with;
-    ConfigDriftError for any other."""
+def _config_changes(record: dict, ckpt, at: int, run_dir: str, allowed: set[str], say) -> dict:
+    """The allowed changes of the run record (`Trainer.record`) against the one checkpoint `at`
+    was trained with; ConfigDriftError for any other."""
     old, where = drift.recorded_config(run_dir, ckpt.read_metadata(at))
     if old is None:
         say(f"warning: no readable record of the run's config ({where}): not checked for drift")
         return {}
-    changes = drift.trajectory_changes(old, config_to_dict(cfg), config_to_dict(Config()))
+    defaults = drift.run_record(config_to_dict(Config()), None)
+    changes = drift.trajectory_changes(old, record, defaults)
     drift.check_drift(changes, allowed, run_dir=run_dir, step=at, record=where)
     return changes
 
 
 def _run(cfg: Config, pre, *, run_dir: str, profile, console, allowed) -> int:
     _prepare_run_dir(run_dir)
+    drift.check_same_config(config_to_dict(cfg))  # every rank runs process 0's config
     trainer = Trainer.build(cfg)  # config, mesh and data errors before the run dir is touched
     cfg = trainer.cfg  # accum_steps = "auto" resolved
     main = jax.process_index() == 0
@@ -212,14 +231,14 @@ def _run(cfg: Config, pre, *, run_dir: str, profile, console, allowed) -> int:
             latest = ckpt.latest_step()
             changes: dict = {}
             if latest is not None:
-                changes = _config_changes(cfg, ckpt, latest, run_dir, allowed, say)
+                changes = _config_changes(trainer.record, ckpt, latest, run_dir, allowed, say)
                 state, _ = ckpt.restore(trainer.restore_target(), latest)
                 start = int(state["step"])
             else:
                 state, start = trainer.init(), 0
             if main and start < total:
                 truncate_metrics(run_dir, start)
-                text = json.dumps(config_to_dict(cfg), indent=2)
+                text = json.dumps(trainer.record, indent=2)
                 rundir.write_atomic(os.path.join(run_dir, drift.CONFIG_FILE), text)
                 drift.log_changes(run_dir, start, changes)
             with MetricsLogger(
@@ -289,7 +308,7 @@ def _loop(trainer: Trainer, state, start: int, ckpt, logger, run_dir, profile, p
     peak = platform.peak_flops_per_device()
     n_dev = jax.device_count()
     tokens = cfg.data.global_batch * cfg.data.seq_len
-    meta = {"config": config_to_dict(cfg)}
+    meta = {"config": trainer.record}
     window = cfg.trainer.stop_after_nonfinite
     limit = min(window, total) if window else 0  # all of the run's steps when it is shorter
     in_a_row = 0
@@ -301,7 +320,13 @@ def _loop(trainer: Trainer, state, start: int, ckpt, logger, run_dir, profile, p
     skipped = int(jax.device_get(state["skipped"]))
 
     t0 = time.perf_counter()
-    compiled = trainer.program.compiled
+    finished, compiled = run_unless_signalled(lambda: trainer.program.compiled, pre)
+    if not finished:  # signalled while compiling: nothing new to save, do not wait for XLA
+        logger.message(
+            f"preempted (signal {pre.received}) while compiling the train step, before step "
+            f"{start + 1}: nothing new to save; exit {EXIT_PREEMPTED}"
+        )
+        return EXIT_PREEMPTED
     logger.message(f"compiled the train step in {time.perf_counter() - t0:.1f} s")
     batch = trainer.batch(start)
     if pre.should_stop(start):  # signalled before the first step: the checkpoint is current
@@ -319,8 +344,12 @@ def _loop(trainer: Trainer, state, start: int, ckpt, logger, run_dir, profile, p
             tracing = True
         state, m = compiled(state, batch)
         done = s + 1
+        bad_batch = None
         if done < total:
-            batch = trainer.batch(done)  # host work while the device runs the step
+            try:
+                batch = trainer.batch(done)  # host work while the device runs the step
+            except data_lib.DataError as e:  # raised after step `done` is saved, everywhere
+                bad_batch = e
         m = jax.device_get(m)
         now = time.perf_counter()
         dt = now - t_prev
@@ -352,8 +381,16 @@ def _loop(trainer: Trainer, state, start: int, ckpt, logger, run_dir, profile, p
             save_failed=failure is not None,
             claim_lost=claim is not None and claim.lost is not None,
             nonfinite=bool(limit) and in_a_row >= limit,
+            bad_data=bad_batch is not None,
         )
         _check_problems(pre, failure, claim)
+        if "bad_data" in pre.problems:  # the next batch cannot be built: keep this step
+            ckpt.save(done, state, metadata=meta, force=True)
+            ckpt.wait_until_finished()
+            raise bad_batch or data_lib.DataError(
+                f"another process could not build the batch of step {done + 1} (its line "
+                f"names the data problem); step {done} is saved at {ckpt.step_path(done)}"
+            )
         if "nonfinite" in pre.problems:
             raise _nonfinite_error(cfg, done, in_a_row, ckpt)
         if cfg.trainer.eval_every and done % cfg.trainer.eval_every == 0:

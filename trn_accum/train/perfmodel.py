@@ -281,8 +281,10 @@ def plain_attention(cfg):
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention="plain"))
 
 
-def run_in_subprocess(config_path: str, overrides: Sequence[str], nodes: int) -> dict[str, Any]:
-    """`explore` of the config on trn2 in a fresh process with enough emulated CPU devices."""
+def run_in_subprocess(config_path: str, overrides: Sequence[str], nodes: int,
+                      meshes: Sequence[str] | None = None) -> dict[str, Any]:  # fmt: skip
+    """`explore` of the config on trn2 in a fresh process with enough emulated CPU devices;
+    candidates on the `meshes` named (of `recommend.MESHES`; None = all)."""
     n = platform.devices_per_node() * min(nodes, EMULATE_NODES)
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", ""))
@@ -293,6 +295,8 @@ def run_in_subprocess(config_path: str, overrides: Sequence[str], nodes: int) ->
     cmd = [sys.executable, "-m", "trn_accum.train.perfmodel", "--config", config_path,
            "--nodes", str(nodes)] + [
         a for o in overrides for a in ("--set", o)]  # fmt: skip
+    if meshes:
+        cmd += ["--meshes", ",".join(meshes)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if out.returncode:
         lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
@@ -362,13 +366,15 @@ def main(argv=None) -> int:
     p.add_argument("--config", required=True)
     p.add_argument("--set", dest="overrides", action="append", default=[])
     p.add_argument("--nodes", type=int, default=None)
+    p.add_argument("--meshes", default=None, help="comma-separated names of recommend.MESHES")
     a = p.parse_args(argv)
     cfg = load_config(a.config, a.overrides)
     nodes = cfg.mesh.nodes if a.nodes is None else a.nodes
     if not isinstance(cfg.trainer.accum_steps, int):
         fits = fitting_k(cfg, cfg.mesh.axes(), nodes, steptime.Layout.trn2())["accum_steps"]
         cfg = _with(cfg, k=fits or 1)
-    report = explore(cfg, nodes=nodes, layout=steptime.Layout.trn2())
+    meshes = None if a.meshes is None else {m: rec.MESHES[m] for m in a.meshes.split(",")}
+    report = explore(cfg, nodes=nodes, layout=steptime.Layout.trn2(), meshes=meshes)
     print(json.dumps(report, default=str))
     return 0
 

@@ -130,3 +130,30 @@ class Preemption:
     def preempted(self) -> bool:
         """Whether the processes agreed to stop for a signal."""
         return self._agreed
+
+
+def run_unless_signalled(fn, pre: Preemption, poll_s: float = 0.1) -> tuple[bool, Any]:
+    """(True, fn()) when `fn` finishes first; (False, None) as soon as `pre` has been signalled.
+
+    `fn` runs in a daemon thread, so a long native call (XLA's compile of the train step:
+    minutes for the 3B step on trn2, longer than a scheduler's grace period) does not hold the
+    signalled process: the main thread returns at once and the caller exits; the compile is
+    abandoned with the process. An exception of `fn` is re-raised here."""
+    box: dict[str, Any] = {}
+    done = threading.Event()
+
+    def target():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # re-raised in the caller's thread
+            box["error"] = e
+        finally:
+            done.set()
+
+    threading.Thread(target=target, name="trn-accum-compile", daemon=True).start()
+    while not done.wait(poll_s):
+        if pre.requested:
+            return False, None
+    if "error" in box:
+        raise box["error"]
+    return True, box["value"]

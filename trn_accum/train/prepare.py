@@ -3,17 +3,18 @@
     prepare_data(["a.txt", "b.jsonl"], "data/tok", tokenizer="bytes")
 
 writes `tokens.bin` (uint16/uint32 ids), `offsets.npy` (document boundaries) and `meta.json`
-(`trn_accum.train.data.read_meta` checks them on load).
+(`trn_accum.train.tokens.read_meta` checks them on load).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 
 import numpy as np
 
-from trn_accum.train.data import (
+from trn_accum.train.tokens import (
     BYTES_EOS_ID,
     BYTES_VOCAB_SIZE,
     FORMAT,
@@ -133,6 +134,7 @@ def prepare_data(text_files: list[str], out_dir: str, tokenizer: str = "bytes") 
     tmp_tokens = tokens_path + ".tmp"
     offsets = [0]
     max_id = -1
+    digest = hashlib.blake2b(digest_size=16)  # the content's identity (tokens.fingerprint)
     try:
         with open(tmp_tokens, "wb") as out:
             for p in text_files:
@@ -142,7 +144,9 @@ def prepare_data(text_files: list[str], out_dir: str, tokenizer: str = "bytes") 
                     ids = tok.encode(text)
                     ids = np.concatenate([ids, np.asarray([tok.eos_id], np.uint32)])
                     max_id = max(max_id, int(ids.max()))
-                    out.write(ids.astype(dtype).tobytes())
+                    raw = ids.astype(dtype).tobytes()
+                    out.write(raw)
+                    digest.update(raw)
                     offsets.append(offsets[-1] + int(ids.size))
     except OSError as e:
         _remove(tmp_tokens)
@@ -173,6 +177,7 @@ def prepare_data(text_files: list[str], out_dir: str, tokenizer: str = "bytes") 
         "eos_id": int(tok.eos_id),
         "pad_id": int(tok.eos_id),
         "max_token_id": max_id,
+        "tokens_blake2b": digest.hexdigest(),
         "num_tokens": offsets[-1],
         "num_documents": len(offsets) - 1,
         "tokens_file": TOKENS_FILE,

@@ -15,8 +15,10 @@ A claim that exists is judged:
 - same machine (same kernel boot id and pid namespace, so its ``/proc`` is ours): the owner is
   alive while its pid runs with the recorded start time (a reused pid does not count);
 - any other host: alive while its heartbeat is younger than ``STALE_S`` seconds (host clocks
-  must agree to well within that bound, as NTP keeps them);
-- unreadable (garbage): alive while the file was modified less than ``STALE_S`` seconds ago.
+  must agree to well within that bound, as NTP keeps them) and not more than ``MAX_SKEW_S``
+  seconds in the future (beyond it: a clock far off or a torn write, judged stale);
+- unreadable (garbage): alive while the file was modified less than ``STALE_S`` seconds ago
+  (and not beyond ``MAX_SKEW_S`` in the future).
 
 A dead owner's claim is taken over: renamed aside (only one taker can rename it), checked to be
 the claim that was judged (else put back), then replaced. A live owner from another job is
@@ -50,6 +52,7 @@ CLAIM_FILE = "owner.json"
 CLAIM_FORMAT = "trn_accum.claim/1"
 HEARTBEAT_S = 15.0  # the owner refreshes its claim this often
 STALE_S = 120.0  # a claim from another host whose heartbeat is older than this is dead
+MAX_SKEW_S = 60.0  # ... or further in the future than this (clocks that NTP keeps agree far better)
 _POLL_S = 2.0
 
 
@@ -176,21 +179,34 @@ def _pid_alive(pid: Any, start_ticks: Any) -> bool:
     return True
 
 
+def _fresh(age: float, stale_after: float) -> bool:
+    """A heartbeat (or modification) `age` seconds old counts as alive: not older than
+    `stale_after`, not further than MAX_SKEW_S in the future (NaN: neither)."""
+    return -MAX_SKEW_S <= age <= stale_after
+
+
+def _age_text(age: float) -> str:
+    if age < -MAX_SKEW_S:
+        return f"{-age:.0f} s in the future (beyond the {MAX_SKEW_S:.0f} s clock-skew bound)"
+    return f"{age:.0f} s old"
+
+
 def judge(claim: Any, problem: str | None, mtime: float, now: float, stale_after: float):
     """(alive, why) for a claim read from disk (`claim` None with `problem` when unreadable)."""
     if problem is not None or not isinstance(claim, dict):
         age = now - mtime
-        why = (
-            f"an unreadable claim file ({problem or 'not a JSON object'}), modified {age:.0f} s ago"
+        why = f"an unreadable claim file ({problem or 'not a JSON object'}), modified " + (
+            _age_text(age).replace(" old", " ago")
         )
-        return age <= stale_after, why
+        return _fresh(age, stale_after), why
     me = machine()
     if _same_machine(claim, me):
         alive = _pid_alive(claim.get("pid"), claim.get("start_ticks"))
         return alive, f"pid {claim.get('pid')} on this host is {'running' if alive else 'gone'}"
     beat = claim.get("heartbeat")
     age = now - beat if isinstance(beat, int | float) else float("inf")
-    return age <= stale_after, f"its heartbeat is {age:.0f} s old (stale after {stale_after:.0f} s)"
+    why = f"its heartbeat is {_age_text(age)} (stale after {stale_after:.0f} s)"
+    return _fresh(age, stale_after), why
 
 
 def describe(claim: Any) -> str:
