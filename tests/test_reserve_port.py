@@ -136,3 +136,35 @@ def test_port_list_reader(text, port, want):
 def test_port_list_reader_rejects_garbage():
     with pytest.raises(ValueError, match="'a-b'"):
         rootport.parse_port_list("8080,a-b")
+
+
+def test_neuron_mode_script_reserves_before_the_training_step(tmp_path):
+    """The sbatch script in Neuron mode run by bash outside Slurm, with an `srun` that records
+    its arguments: the reservation step (one task per node, the root port) comes first."""
+    import sys
+
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    calls = tmp_path / "srun-calls"
+    (fake / "srun").write_text(f'#!/bin/sh\necho "$*" >> {calls}\nexit 0\n')
+    (fake / "srun").chmod(0o755)
+    venv = Path(sys.executable).parent
+    env = {
+        "PATH": f"{fake}{os.pathsep}{venv}{os.pathsep}{os.environ['PATH']}",
+        "HOME": str(tmp_path),
+        "TRN_ACCUM_HOME": str(REPO),
+        "TRN_ACCUM_RUN_DIR": str(tmp_path / "run"),
+        "TRN_ACCUM_SHARED_DIR": str(tmp_path / "shared"),  # trn2.sh's compile caches
+        "TRN_ACCUM_NEURON_ROOT_PORT": "42424",
+        "SLURM_JOB_ID": "7",
+        "SLURM_JOB_NAME": "t",
+        "SLURM_JOB_NUM_NODES": "3",
+    }
+    out = subprocess.run(
+        ["bash", str(SBATCH)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = calls.read_text().splitlines()
+    assert len(lines) == 2, lines
+    assert lines[0] == "--ntasks-per-node=1 --ntasks=3 launch/slurm/reserve-port.sh 42424"
+    assert "trn-accum train" in lines[1]  # the training step, after
