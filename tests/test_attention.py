@@ -279,3 +279,51 @@ def test_backward_stand_in_rejects_mixed_dtypes():
     bf = x.astype(jnp.bfloat16)
     with pytest.raises(AssertionError, match="must share a dtype"):
         nki_kernels.reference_kernels()["bwd"](x, x, x, x, bf, lse, use_causal_mask=True)
+
+
+def test_stand_ins_take_the_kernels_parameters_in_the_kernels_order():
+    """A positional call means what it means to the kernel (attention_cte.py:169,
+    attention_bwd.py:44 in aws-neuron/nki-library 2.29): bound_min/bound_max sit between
+    sinks_ref and use_causal_mask in the backward, k_prior... between causal_mask and tp_q."""
+    import inspect
+
+    stand_ins = nki_kernels.reference_kernels()
+    for key, want in (("fwd", nki_kernels.CTE_PARAMS), ("bwd", nki_kernels.BWD_PARAMS)):
+        params = inspect.signature(stand_ins[key].fn).parameters.values()
+        assert tuple(p.name for p in params) == want
+        assert all(p.kind is p.POSITIONAL_OR_KEYWORD for p in params)  # no **kwargs: strict
+    assert nki_kernels.BWD_PARAMS[6:10] == (
+        "sinks_ref",
+        "bound_min",
+        "bound_max",
+        "use_causal_mask",
+    )
+
+
+def test_backward_stand_in_positional_call_and_unknown_keywords():
+    bwd = nki_kernels.reference_kernels()["bwd"]
+    x = jnp.ones((1, 1, 8, 128), jnp.float32)
+    lse = jnp.zeros((1, 1, 128, 1), jnp.float32)
+    # the kernel's positional order: sinks_ref, bound_min, bound_max, use_causal_mask
+    dq, dk, dv = bwd(x, x, x, x, x, lse, None, None, None, True)
+    assert dq.shape == dk.shape == dv.shape == x.shape
+    with pytest.raises(AssertionError, match="stand-in: causal"):  # 7th positional: not causal
+        bwd(x, x, x, x, x, lse, None, None, None, False)
+    with pytest.raises(AssertionError, match="both or neither"):  # the kernel's rule
+        bwd(x, x, x, x, x, lse, None, jnp.zeros((128,)), None, True)
+    with pytest.raises(TypeError):  # a misspelt keyword fails as it would on the kernel
+        bwd(x, x, x, x, x, lse, use_casual_mask=True)
+
+
+def test_forward_stand_in_positional_order_and_unknown_keywords():
+    fwd = nki_kernels.reference_kernels()["fwd"]
+    x = jnp.ones((2, 128, 8), jnp.float32)
+    out = fwd(x, x, x, 1.0, True, None, None, None, None, None, True, True)  # tp_q, tp_k 11th/12th
+    assert out.shape == x.shape
+    with pytest.raises(AssertionError, match="no optional inputs"):  # 6th positional: k_prior
+        fwd(x, x, x, 1.0, True, x)
+    with pytest.raises(TypeError):
+        fwd(x, x, x, cache_sofmax=True)
+    with pytest.raises(AssertionError, match="head dim > 128"):
+        wide = jnp.ones((1, 128, 129), jnp.float32)
+        fwd(wide, wide, wide, tp_q=True, tp_k=True)

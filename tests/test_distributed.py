@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -24,7 +25,25 @@ from multiprocess import (
 )
 
 from trn_accum.cluster import distributed as dist
+from trn_accum.cluster import rootport
 from trn_accum.cluster.distributed import LaunchError, derive_launch, expand_nodelist
+
+# The root hosts these tests name, as a cluster's DNS would resolve them; any other name does
+# not resolve (socket.gaierror, what getaddrinfo raises).
+REAL_RESOLVE = rootport.resolve_ipv4
+FAKE_DNS = {"trn2-001": "10.0.0.11", "a": "10.0.0.12", "fuji-3b-0.fuji-3b": "10.0.0.13"}
+
+
+def fake_resolve(host: str) -> str:
+    if host not in FAKE_DNS:
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+    return FAKE_DNS[host]
+
+
+@pytest.fixture(autouse=True)
+def cluster_dns(monkeypatch):
+    """derive_launch resolves the root host through rootport.resolve_ipv4: the cluster's DNS."""
+    monkeypatch.setattr(rootport, "resolve_ipv4", fake_resolve)
 
 
 def slurm_env(nodelist: str, ntasks: int, procid: int, job_id: int = 4321, **extra) -> dict:
@@ -112,7 +131,7 @@ def test_slurm_two_nodes():
     assert plan.neuron_env == {
         "NEURON_PJRT_PROCESSES_NUM_DEVICES": "64,64",
         "NEURON_PJRT_PROCESS_INDEX": "1",
-        "NEURON_RT_ROOT_COMM_ID": "trn2-001:41000",
+        "NEURON_RT_ROOT_COMM_ID": "10.0.0.11:41000",  # trn2-001's address
     }
 
 
@@ -123,7 +142,7 @@ def test_slurm_sixteen_nodes():
     assert plan.coordinator == "trn2-001:61452"
     assert plan.neuron_env["NEURON_PJRT_PROCESSES_NUM_DEVICES"] == ",".join(["64"] * 16)
     assert plan.neuron_env["NEURON_PJRT_PROCESS_INDEX"] == "15"
-    assert plan.neuron_env["NEURON_RT_ROOT_COMM_ID"] == "trn2-001:41000"
+    assert plan.neuron_env["NEURON_RT_ROOT_COMM_ID"] == "10.0.0.11:41000"
 
 
 def test_slurm_off_neuron_sets_no_neuron_env():
@@ -177,7 +196,7 @@ def test_kubernetes(nodes):
     assert plan.neuron_env == {
         "NEURON_PJRT_PROCESSES_NUM_DEVICES": ",".join(["64"] * nodes),
         "NEURON_PJRT_PROCESS_INDEX": str(nodes - 1),
-        "NEURON_RT_ROOT_COMM_ID": "fuji-3b-0.fuji-3b:41000",
+        "NEURON_RT_ROOT_COMM_ID": "10.0.0.13:41000",  # fuji-3b-0.fuji-3b's address
     }
 
 
@@ -218,7 +237,93 @@ def test_neuron_devices_per_process_and_preset_values_win():
     )
     assert preset.neuron_env["NEURON_RT_ROOT_COMM_ID"] == "10.0.0.9:5000"
     port = derive_launch({**env, "TRN_ACCUM_NEURON_ROOT_PORT": "43000"}, neuron=True)
-    assert port.neuron_env["NEURON_RT_ROOT_COMM_ID"] == "a:43000"
+    assert port.neuron_env["NEURON_RT_ROOT_COMM_ID"] == "10.0.0.12:43000"
+
+
+def test_root_host_resolved_through_the_resolver_given():
+    seen = []
+
+    def resolve(host):
+        seen.append(host)
+        return "192.0.2.7"
+
+    plan = derive_launch(slurm_env("trn2-[001-002]", 2, 0), neuron=True, resolve=resolve)
+    assert plan.neuron_env["NEURON_RT_ROOT_COMM_ID"] == "192.0.2.7:41000"
+    assert seen == ["trn2-001"]  # process 0's host, once
+    # a preset value wins and is not resolved (the user's, as given)
+    seen.clear()
+    env = slurm_env("trn2-[001-002]", 2, 0, NEURON_RT_ROOT_COMM_ID="root.example:5000")
+    assert derive_launch(env, neuron=True, resolve=resolve).neuron_env[
+        "NEURON_RT_ROOT_COMM_ID"
+    ] == ("root.example:5000")
+    assert seen == []
+    # off Neuron nothing is resolved
+    derive_launch(slurm_env("nowhere-[1-2]", 2, 0), neuron=False, resolve=resolve)
+    assert seen == []
+
+
+def test_root_host_that_does_not_resolve_is_one_line_naming_it():
+    env = slurm_env("nowhere-[1-2]", 2, 1)
+    with pytest.raises(LaunchError) as e:
+        derive_launch(env, neuron=True)
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert "'nowhere-1'" in msg and "NEURON_RT_ROOT_COMM_ID=<ip of nowhere-1>:41000" in msg
+    assert "Name or service not known" in msg
+
+
+def test_real_resolver_localhost_and_unresolvable():
+    """The default resolver itself (captured before the fake DNS fixture patches it)."""
+    assert rootport.root_comm_id("localhost", 41000, resolve=REAL_RESOLVE) == "127.0.0.1:41000"
+    assert rootport.root_comm_id("10.1.2.3", 41000, resolve=REAL_RESOLVE) == "10.1.2.3:41000"
+    with pytest.raises(ValueError, match="'no-such-host.invalid'") as e:
+        rootport.root_comm_id("no-such-host.invalid", 41000, resolve=REAL_RESOLVE)
+    assert "\n" not in str(e.value)
+
+
+def test_initialize_waits_for_a_pods_name_but_not_a_slurm_nodes(monkeypatch):
+    """A pod's DNS name appears once the pod has an address: initialize retries it (poll 2 s)
+    up to initialization_timeout; a Slurm node's name is tried once."""
+    calls = []
+
+    def never(host):
+        calls.append(host)
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(rootport, "resolve_ipv4", never)
+    with pytest.raises(LaunchError, match="'nowhere-1'"):
+        dist.initialize(slurm_env("nowhere-[1-2]", 2, 1), neuron=True, initialization_timeout=3)
+    assert calls == ["nowhere-1"]
+    calls.clear()
+    with pytest.raises(LaunchError, match="'fuji-3b-0.fuji-3b'"):
+        dist.initialize(k8s_env(2, 1), neuron=True, initialization_timeout=3)
+    assert calls == ["fuji-3b-0.fuji-3b"] * 2  # at 0 s and 2 s, then the timeout
+
+
+def test_resolve_waiting_retries_until_the_timeout():
+    clock = [0.0]
+    calls = []
+
+    def resolve(host, ready_at=6.0):
+        calls.append(clock[0])
+        if clock[0] < ready_at:
+            raise socket.gaierror(socket.EAI_NONAME, "not yet")
+        return "10.0.0.5"
+
+    def sleep(s):
+        clock[0] += s
+
+    timing = {"poll_s": 2, "sleep": sleep, "clock": lambda: clock[0]}
+    assert rootport.resolve_waiting("pod-0.job", 10, resolve=resolve, **timing) == "10.0.0.5"
+    assert calls == [0, 2, 4, 6]
+    clock[0], calls[:] = 0.0, []
+    with pytest.raises(OSError, match="not yet"):  # 3 s: tries at 0 and 2, then gives up
+        rootport.resolve_waiting("pod-0.job", 3, resolve=resolve, **timing)
+    assert calls == [0, 2]
+    clock[0], calls[:] = 0.0, []
+    with pytest.raises(OSError):  # 0 s: one attempt
+        rootport.resolve_waiting("pod-0.job", 0, resolve=resolve, **timing)
+    assert calls == [0]
 
 
 BAD = {

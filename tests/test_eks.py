@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from trn_accum.cluster import rootport
 from trn_accum.cluster.distributed import derive_launch
 from trn_accum.cluster.eks import RenderError, manifests, render_eks
 
@@ -123,8 +124,10 @@ def test_pod_environment_gives_the_launch_plan(nodes):
     job = by_kind(manifests(nodes, IMAGE, name="fuji", namespace="ml"))["Job"]
     (c,) = job["spec"]["template"]["spec"]["containers"]
     base = {e["name"]: e["value"] for e in c["env"]}
+    dns = {"fuji-0.fuji": "10.0.3.1"}  # rank 0's pod, as the cluster DNS resolves it
     for index in range(nodes):
-        plan = derive_launch({**base, "JOB_COMPLETION_INDEX": str(index)}, neuron=True)
+        env = {**base, "JOB_COMPLETION_INDEX": str(index)}
+        plan = derive_launch(env, neuron=True, resolve=dns.__getitem__)
         assert (plan.num_processes, plan.process_id) == (nodes, 0 if nodes == 1 else index)
         if nodes == 1:
             assert plan.mode == "single"
@@ -132,12 +135,48 @@ def test_pod_environment_gives_the_launch_plan(nodes):
         assert plan.mode == "kubernetes"
         assert plan.coordinator == "fuji-0.fuji:55527"  # <job>-0.<subdomain>:<port>
         assert plan.hosts[index] == f"fuji-{index}.fuji"
-        assert plan.neuron_env["NEURON_RT_ROOT_COMM_ID"] == "fuji-0.fuji:41000"
+        assert plan.neuron_env["NEURON_RT_ROOT_COMM_ID"] == "10.0.3.1:41000"  # <ip>:<port>
         assert plan.neuron_env["NEURON_PJRT_PROCESSES_NUM_DEVICES"] == ",".join(["64"] * nodes)
         assert plan.neuron_env["NEURON_PJRT_PROCESS_INDEX"] == str(index)
     svc = by_kind(manifests(nodes, IMAGE, name="fuji", namespace="ml"))["Service"]
     ports = {p["name"]: p["port"] for p in svc["spec"]["ports"]}
     assert ports == {"coordinator": 55527, "neuron-root": 41000}
+
+
+def test_pods_reserve_their_listening_ports_and_name_the_socket_interface():
+    job = by_kind(manifests(2, IMAGE))["Job"]
+    pod = job["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    sysctls = {x["name"]: x["value"] for x in pod["securityContext"]["sysctls"]}
+    reserved = sysctls["net.ipv4.ip_local_reserved_ports"]
+    # every port the container listens on, and nothing else, in the kernel's list syntax
+    listening = sorted(p["containerPort"] for p in c["ports"])
+    assert reserved == ",".join(map(str, listening)) == "41000,55527"
+    assert all(rootport.port_reserved(p, reserved) for p in listening)
+    env = {e["name"]: e["value"] for e in c["env"]}
+    assert env["CCOM_SOCKET_IFNAME"] == "eth0"
+    other = by_kind(manifests(2, IMAGE, socket_ifname="ens5"))["Job"]
+    (c,) = other["spec"]["template"]["spec"]["containers"]
+    assert {e["name"]: e["value"] for e in c["env"]}["CCOM_SOCKET_IFNAME"] == "ens5"
+    header = render_eks(2, IMAGE).split("---")[0]
+    assert "net.ipv4.ip_local_reserved_ports=41000,55527" in header
+    assert "--allowed-unsafe-sysctls" in header
+
+
+def test_socket_ifname_option_validates_and_round_trips(tmp_path, capsys):
+    from trn_accum import cli
+
+    out = tmp_path / "eks.yaml"
+    argv = ["render-eks", "--nodes", "2", "--image", IMAGE, "--socket-ifname", "ens32"]
+    assert cli.main([*argv, "-o", str(out)]) == 0
+    text = out.read_text()
+    assert text == render_eks(2, IMAGE, socket_ifname="ens32")
+    assert "--socket-ifname ens32" in text.splitlines()[1]  # the header's command reproduces it
+    assert validate(out).returncode == 0
+    for bad in ("eth 0", "", "x" * 16, "eth0/1"):
+        with pytest.raises(RenderError) as e:
+            manifests(2, IMAGE, socket_ifname=bad)
+        assert "--socket-ifname" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_options_reach_the_manifest():

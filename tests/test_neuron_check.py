@@ -15,7 +15,7 @@ from trn_accum.train import neuron_check
 
 ROOT = Path(__file__).resolve().parents[1]
 F3B = str(ROOT / "configs" / "fuji-3b-trn2.toml")
-PIECES = [name for name, _ in neuron_check.ROWS]
+PIECES = ["root", *(name for name, _ in neuron_check.ROWS)]  # root first: before the backend
 
 
 @pytest.mark.slow
@@ -38,6 +38,9 @@ def test_cpu_table_every_row_passes_exit_0(tmp_path):
     assert "CPU stand-in" in rows["neuron-flash"]["detail"]
     assert "mesh data 2" in rows["reduce-once"]["detail"]  # the shard_map path, not a no-op
     assert "psum over 8 devices = 28 (exact 28)" in rows["psum"]["detail"]
+    assert "127.0.0.1:41000 -> 127.0.0.1:41000" in rows["root"]["detail"]  # one process
+    kernel_pair = rows["kernel-pair"]
+    assert kernel_pair["status"] == "skip" and "B=256 H=6 KV=2 S=8192" in kernel_pair["detail"]
     assert not list((tmp_path / "run").glob(".neuron-check-*"))  # the checkpoint row cleans up
 
 
@@ -73,8 +76,9 @@ def test_attention_kernel_whose_outputs_differ_fails_and_is_named(monkeypatch, c
         code, out = _run_rows(monkeypatch, capsys, {"neuron-flash"}, "--json")
     rep = json.loads(out)
     assert code == 1 and not rep["passed"]
-    (row,) = rep["rows"]
-    assert row["piece"] == "neuron-flash" and row["status"] == "FAIL"
+    assert [r["piece"] for r in rep["rows"]] == ["root", "neuron-flash"]  # root runs first
+    row = rep["rows"][1]
+    assert row["status"] == "FAIL"
     assert "substituted kernels" in row["detail"] and "max relative error" in row["detail"]
     assert broken["fwd"].grids == [2]  # launched on the LNC grid
 

@@ -280,6 +280,7 @@ def _cmd_render_eks(args) -> int:
         max_restarts=args.max_restarts,
         scheduler_name=args.scheduler_name,
         neuron_check=args.neuron_check,
+        socket_ifname=args.socket_ifname or eks.SOCKET_IFNAME,
     )
     if args.output == "-":
         sys.stdout.write(text)
@@ -449,6 +450,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--neuron-check",
         action="store_true",
         help="each pod runs `trn-accum neuron-check` first; a failing row fails the Job",
+    )
+    r.add_argument(
+        "--socket-ifname",
+        default=None,
+        metavar="IFNAME",
+        help="CCOM_SOCKET_IFNAME of the pods (default eth0, the pod's interface)",
     )
     r.add_argument("-o", "--output", default="-", help="output file (default: stdout)")
     r.set_defaults(func=_cmd_render_eks)

@@ -26,10 +26,12 @@ Neuron runtime configuration page):
 ``NEURON_PJRT_PROCESSES_NUM_DEVICES`` ("64,64,..."; devices per process from
 ``TRN_ACCUM_DEVICES_PER_PROCESS``, else the count of ``NEURON_RT_VISIBLE_CORES``, else
 128 / ``NEURON_LOGICAL_NC_CONFIG`` for a trn2.48xlarge), ``NEURON_PJRT_PROCESS_INDEX`` (the
-rank) and ``NEURON_RT_ROOT_COMM_ID`` (``<coordinator host>:<TRN_ACCUM_NEURON_ROOT_PORT, default
-41000>``; outside JAX's Slurm port range 61440-65535, so the two never collide; one process:
-``127.0.0.1:<port>``, since the runtime wants it for any workload with collectives). A value already
-in the environment wins. ``initialize`` exports them and selects the rbg PRNG
+rank) and ``NEURON_RT_ROOT_COMM_ID`` (``<ip>:<port>``, the runtime's documented form: process
+0's host resolved on each rank by `trn_accum.cluster.rootport`, a one-line LaunchError naming it
+where it does not resolve; the port ``TRN_ACCUM_NEURON_ROOT_PORT``, default 41000, outside JAX's
+Slurm range 61440-65535; one process: ``127.0.0.1:<port>``, the runtime wants it for any
+workload with collectives). A value already in the environment wins, as given.
+``initialize`` exports them and selects the rbg PRNG
 (``jax_default_prng_impl``), since Threefry is not fully supported on Neuron.
 
 Bad values raise ``LaunchError`` (a ``ValueError``) with one line naming the variable, the rule
@@ -45,9 +47,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
-from trn_accum.cluster import agreement
+from trn_accum.cluster import agreement, rootport
 from trn_accum.errors import UserError
 from trn_accum.neuron import platform
 
@@ -89,8 +91,7 @@ class LaunchPlan:
     hosts: every process's host when the launcher says so (Slurm nodes, Kubernetes pod DNS
       names), else ().
     neuron_env: the Neuron launch variables to export before the backend starts (one process:
-      only NEURON_RT_ROOT_COMM_ID, this host)
-      (empty off Neuron, and for a single process).
+      only NEURON_RT_ROOT_COMM_ID, this host; empty off Neuron).
     num_processes_from: where num_processes was read (a variable or argument name).
     """
 
@@ -153,10 +154,13 @@ def _rank(name: str, process_id: int, world_name: str, num_processes: int) -> No
 
 
 def _address(name: str, text: str) -> str:
-    host, sep, port = str(text).strip().rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise LaunchError(f"{name}={text!r} is not host:port (port 1-65535), e.g. node001:55527")
-    return f"{host}:{int(port)}"
+    try:
+        host, port = rootport.split_address(text)
+        return f"{host}:{port}"
+    except ValueError:
+        raise LaunchError(
+            f"{name}={text!r} is not host:port (port 1-65535), e.g. node001:55527"
+        ) from None
 
 
 def _split_top_level(text: str) -> list[str]:
@@ -270,22 +274,27 @@ def neuron_devices_per_process(env: Mapping[str, str]) -> int:
     return platform.devices_per_node(lnc)
 
 
-def _neuron_env(env: Mapping[str, str], plan: LaunchPlan) -> dict[str, str]:
+def _neuron_env(env: Mapping[str, str], plan: LaunchPlan, resolve) -> dict[str, str]:
     root_port = _port(env, "TRN_ACCUM_NEURON_ROOT_PORT", DEFAULT_NEURON_ROOT_PORT)
+    # The runtime guide (neuron-runtime/guides/nrt-developer-guide.rst:1062) calls it mandatory
+    # with collectives: one process too (its cores' collectives; the root is this host).
+    try:
+        root = env.get("NEURON_RT_ROOT_COMM_ID") or (
+            rootport.root_comm_id(str(plan.coordinator_host), root_port, resolve)
+            if plan.distributed
+            else f"127.0.0.1:{root_port}"
+        )
+    except ValueError as e:
+        raise LaunchError(str(e)) from None
     if not plan.distributed:
-        # One process still runs collectives over its own cores: the runtime guide
-        # (neuron-runtime/nrt-configurable-parameters) calls NEURON_RT_ROOT_COMM_ID mandatory
-        # for workloads with collectives; the root is this host.
-        return {
-            "NEURON_RT_ROOT_COMM_ID": env.get("NEURON_RT_ROOT_COMM_ID") or f"127.0.0.1:{root_port}"
-        }
-    per = neuron_devices_per_process(env)
+        return {"NEURON_RT_ROOT_COMM_ID": root}
     derived = {
-        "NEURON_PJRT_PROCESSES_NUM_DEVICES": ",".join([str(per)] * plan.num_processes),
+        "NEURON_PJRT_PROCESSES_NUM_DEVICES": ",".join(
+            [str(neuron_devices_per_process(env))] * plan.num_processes
+        ),
         "NEURON_PJRT_PROCESS_INDEX": str(plan.process_id),
-        "NEURON_RT_ROOT_COMM_ID": f"{plan.coordinator_host}:{root_port}",
     }
-    return {k: env.get(k) or v for k, v in derived.items()}
+    return {**{k: env.get(k) or v for k, v in derived.items()}, "NEURON_RT_ROOT_COMM_ID": root}
 
 
 def _explicit(env, coordinator, num_processes, process_id) -> LaunchPlan:
@@ -367,10 +376,12 @@ def derive_launch(
     num_processes: int | None = None,
     process_id: int | None = None,
     neuron: bool | None = None,
+    resolve: Callable[[str], str] | None = None,
 ) -> LaunchPlan:
-    """The launch plan of this process: a pure function of `env` and the explicit arguments.
+    """The launch plan of this process: a function of `env` and the explicit arguments.
 
     `neuron`: whether the Neuron backend will run (None: `JAX_PLATFORMS` names "neuron").
+    `resolve`: host -> IPv4 for NEURON_RT_ROOT_COMM_ID (default `rootport.resolve_ipv4`).
     Raises LaunchError (one line) on missing or inconsistent values.
     """
     if any(v is not None for v in (coordinator, num_processes, process_id)) or env.get(
@@ -393,7 +404,7 @@ def derive_launch(
     if neuron is None:
         neuron = _env_neuron(env)
     if neuron:
-        plan = dataclasses.replace(plan, neuron_env=_neuron_env(env, plan))
+        plan = dataclasses.replace(plan, neuron_env=_neuron_env(env, plan, resolve))
     return plan
 
 
@@ -424,7 +435,8 @@ def initialize(
     neuron: force Neuron on/off (default: `on_neuron()`).
     initialization_timeout / heartbeat_timeout_seconds: passed to `jax.distributed.initialize`
       (a dead peer makes every other process exit after the heartbeat timeout; JAX's default
-      is 100 s).
+      is 100 s); on Neuron in a Kubernetes pod, initialization_timeout also bounds the wait for
+      the root pod's name to resolve.
 
     Single process: starts nothing. Slurm: `jax.distributed.initialize` detects the step itself
     from `os.environ` (the plan must agree; checked after start-up). Kubernetes / explicit:
@@ -442,6 +454,7 @@ def initialize(
         num_processes=num_processes,
         process_id=process_id,
         neuron=neuron,
+        resolve=rootport.launch_resolver(env, initialization_timeout),
     )
     import jax  # JAX only when actually starting
 

@@ -27,6 +27,19 @@ so a failure must take every rank down and bring every rank back:
   Kubernetes (`DisruptionTarget`) are ignored: replaced without counting against the limit.
 `terminationGracePeriodSeconds` (default 120) is the time a SIGTERMed pod has to save.
 
+Ports and interface. Both listening ports (the Neuron root 41000, the coordinator 55527) lie in
+Linux's default ephemeral range 32768-60999, so the pod reserves them with the sysctl
+``net.ipv4.ip_local_reserved_ports`` (pod ``securityContext.sysctls``). It is per network
+namespace from kernel 3.16 (Linux commit 122ff243f5f1, "ipv4: make ip_local_reserved_ports per
+netns"), so it changes this pod only (never with hostNetwork), and Kubernetes counts it among
+the safe sysctls from 1.27 on kernel 3.16+ (https://kubernetes.io/docs/tasks/administer-cluster/
+sysctl-cluster/); on an older cluster it is unsafe: the kubelet must allow it
+(``--allowed-unsafe-sysctls=net.ipv4.ip_local_reserved_ports``) or the pod fails to start.
+``CCOM_SOCKET_IFNAME`` (default ``eth0``, the pod's interface; `socket_ifname`) names the
+interface the Neuron collectives' socket bootstrap uses, as AWS's EKS samples set it
+(aws-neuron/aws-neuron-eks-samples, dp_bert_hf_pretrain/lib/trn1_dist_ddp.py:47,
+llama3.1_8B_finetune_ray_ptl_neuron/llama3_finetune/ray_train_llama3.py:51).
+
 A JobSet (`failurePolicy.maxRestarts`) would restart all child pods by itself, but it is a CRD
 (the JobSet controller must be installed) and cannot be validated offline here.
 """
@@ -62,6 +75,9 @@ NEURON_ROOT_PORT = DEFAULT_NEURON_ROOT_PORT
 INSTANCE_TYPE = TRN2_INSTANCE_TYPE
 NEURON_DEVICES = TRN2_CHIPS_PER_NODE  # aws.amazon.com/neuron counts chips
 EFA_DEVICES = 16  # EFA interfaces of a trn2.48xlarge
+SOCKET_IFNAME = "eth0"  # the pod's interface, CCOM_SOCKET_IFNAME in AWS's EKS samples
+RESERVED_PORTS_SYSCTL = "net.ipv4.ip_local_reserved_ports"
+_IFNAME = re.compile(r"^[A-Za-z0-9_.:-]{1,15}$")  # a Linux interface name (IFNAMSIZ - 1)
 
 _DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")  # RFC 1035 label
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")  # RFC 1123 subdomain
@@ -114,9 +130,15 @@ def manifests(
     grace_seconds: int = 120,
     workdir: str = DEFAULT_WORKDIR,
     neuron_check: bool = False,
+    socket_ifname: str = SOCKET_IFNAME,
 ) -> list[dict[str, Any]]:
     """The Service and the Indexed Job as dicts (see `render_eks`)."""
     _check(nodes, image, config, name, namespace, pvc, max_restarts, grace_seconds)
+    if not isinstance(socket_ifname, str) or not _IFNAME.match(socket_ifname):
+        raise RenderError(
+            f"--socket-ifname {socket_ifname!r} must be a network interface name (1-15 letters, "
+            f"digits, '_.:-'), e.g. {SOCKET_IFNAME}, the pod's interface"
+        )
     run_dir = run_dir or f"{CHECKPOINT_MOUNT}/{name}"
     labels = {
         "app.kubernetes.io/name": "trn-accum",
@@ -144,6 +166,7 @@ def manifests(
         {"name": "TRN_ACCUM_COORDINATOR_PORT", "value": str(COORDINATOR_PORT)},
         {"name": "TRN_ACCUM_NEURON_ROOT_PORT", "value": str(NEURON_ROOT_PORT)},
         {"name": "TRN_ACCUM_SHARED_DIR", "value": CHECKPOINT_MOUNT},  # compile caches
+        {"name": "CCOM_SOCKET_IFNAME", "value": socket_ifname},
         {"name": "PYTHONUNBUFFERED", "value": "1"},
     ]
     devices = {
@@ -158,6 +181,12 @@ def manifests(
         "tolerations": [
             {"key": "aws.amazon.com/neuron", "operator": "Exists", "effect": "NoSchedule"}
         ],
+        # The listening ports out of the ephemeral range, in this pod's network namespace only
+        # (a safe sysctl from Kubernetes 1.27 on kernel 3.16+; older: the kubelet must allow it
+        # with --allowed-unsafe-sysctls, see the module docstring).
+        "securityContext": {
+            "sysctls": [{"name": RESERVED_PORTS_SYSCTL, "value": reserved_ports_value()}]
+        },
         "containers": [
             {
                 "name": "train",
@@ -230,6 +259,11 @@ def manifests(
     return [service, job]
 
 
+def reserved_ports_value() -> str:
+    """The pods' net.ipv4.ip_local_reserved_ports: the Neuron root and coordinator ports."""
+    return ",".join(str(p) for p in sorted({NEURON_ROOT_PORT, COORDINATOR_PORT}))
+
+
 # ----------------------------------------------------------------------------- YAML
 
 
@@ -269,7 +303,8 @@ def render_eks(nodes: int, image: str, config: str = DEFAULT_CONFIG, **options: 
       backoffLimit = nodes x max_restarts), scheduler_name (e.g. the Neuron scheduler
       extension's, if installed as a separate scheduler), shm_size, grace_seconds, workdir,
       neuron_check (every pod runs `trn-accum neuron-check` before training; a failing row
-      fails the Job with exit 2 in minutes, before a long compile).
+      fails the Job with exit 2 in minutes, before a long compile), socket_ifname
+      (CCOM_SOCKET_IFNAME, default eth0).
     """
     docs = manifests(nodes, image, config, **options)
     name = options.get("name", DEFAULT_NAME)
@@ -279,6 +314,7 @@ def render_eks(nodes: int, image: str, config: str = DEFAULT_CONFIG, **options: 
     train_args = options.get("train_args", ())
     max_restarts = options.get("max_restarts", 3)
     scheduler_name = options.get("scheduler_name")
+    socket_ifname = options.get("socket_ifname", SOCKET_IFNAME)
     cmd = ["trn-accum", "render-eks", "--nodes", str(nodes), "--image", image]
     if options.get("neuron_check"):
         cmd.append("--neuron-check")
@@ -291,6 +327,7 @@ def render_eks(nodes: int, image: str, config: str = DEFAULT_CONFIG, **options: 
         ("--run-dir", run_dir, None),
         ("--max-restarts", max_restarts, 3),
         ("--scheduler-name", scheduler_name, None),
+        ("--socket-ifname", socket_ifname, SOCKET_IFNAME),
     ):
         if value != default:
             cmd += [flag, str(value)]
@@ -305,6 +342,9 @@ def render_eks(nodes: int, image: str, config: str = DEFAULT_CONFIG, **options: 
         f"Fuji training on {nodes} x {INSTANCE_TYPE} (trn_accum). Generated by:\n"
         f"  {' '.join(shlex.quote(c) for c in cmd)}\n"
         f"Apply: kubectl apply -f FILE; logs: kubectl logs -f job/{name} (rank 0), or\n"
-        f"  kubectl logs -l app.kubernetes.io/instance={name} --prefix -f (all ranks)."
+        f"  kubectl logs -l app.kubernetes.io/instance={name} --prefix -f (all ranks).\n"
+        f"The pods set the sysctl {RESERVED_PORTS_SYSCTL}={reserved_ports_value()}: safe from\n"
+        f"  Kubernetes 1.27 on kernel 3.16+; older clusters: kubelet\n"
+        f"  --allowed-unsafe-sysctls={RESERVED_PORTS_SYSCTL}, or the pods fail to start."
     )
     return to_yaml(docs, header)

@@ -54,12 +54,25 @@ KERNEL_MODULES = (
 )
 LSE_TILE = 128  # the kernels' softmax-statistics tile (nl.tile_size.pmax): queries per row
 MAX_HEAD_DIM = 128
-MAX_FWD_BATCH = 512  # attention_cte: bs (B*H per device) at most 512
-# attention_bwd tiles keys by min(nl.tile_size.psum_fmax = 512, seqlen_k) and asserts seqlen_k %
-# tile == 0 (aws-neuron/nki-library src/nkilib_src/nkilib/core/attention/attention_bwd.py,
-# `setup_config`: `k_seq_tile_size = min(k_seq_tile_size, seqlen_k)`, "Key sequence length
-# should be multiple of ...")
+# Line numbers below: aws-neuron/nki-library at tag 2.29 (unchanged at d2ad3a5, 2026-04-13),
+# src/nkilib_src/nkilib/core/attention/ (CTE = attention_cte.py, BWD = attention_bwd.py).
+MAX_FWD_BATCH = 512  # bs (B*H per device) at most 512: CTE:140 `_MAX_BS`, asserted CTE:379
+# attention_bwd tiles keys by min(nl.tile_size.psum_fmax = 512, seqlen_k) (BWD:364 default,
+# BWD:405 `k_seq_tile_size = min(k_seq_tile_size, seqlen_k)` in `setup_config`, BWD:357) and
+# asserts seqlen_k % tile == 0 (BWD:414, "Key sequence length should be multiple of ...")
 BWD_KEY_TILE = 512
+#: The kernels' parameters in their positional order (CTE:169 `attention_cte`, BWD:44
+#: `attention_bwd`): the stand-ins take the same, so a positional call means the same thing.
+CTE_PARAMS = (
+    "q", "k", "v", "scale", "causal_mask", "k_prior", "v_prior", "prior_used_len", "sink",
+    "sliding_window", "tp_q", "tp_k", "tp_out", "cache_softmax", "softmax_dtype",
+    "mm_out_dtype", "cp_offset", "global_cp_deg", "cp_strided_q_slicing", "bound_min",
+    "bound_max",
+)  # fmt: skip
+BWD_PARAMS = (
+    "q_ref", "k_ref", "v_ref", "o_ref", "dy_ref", "lse_ref", "sinks_ref", "bound_min",
+    "bound_max", "use_causal_mask", "mixed_precision", "softmax_scale", "sliding_window",
+)  # fmt: skip
 
 
 def bwd_key_tile(seqlen_k: int) -> int:
@@ -144,24 +157,42 @@ def _ref_attention_cte(
     v,
     scale=1.0,
     causal_mask=True,
+    k_prior=None,
+    v_prior=None,
+    prior_used_len=None,
+    sink=None,
+    sliding_window=None,
     tp_q=True,
     tp_k=False,
     tp_out=False,
     cache_softmax=False,
-    **unused,
+    softmax_dtype=None,
+    mm_out_dtype=None,
+    cp_offset=None,
+    global_cp_deg=None,
+    cp_strided_q_slicing=False,
+    bound_min=None,
+    bound_max=None,
 ):
-    """Stand-in for nkilib attention_cte (documented IO): q (Bq, S, d) if tp_q else (Bq, d, S);
-    k (Bkv, S, d) if tp_k else (Bkv, d, S); v (Bkv, S, d); GQA when Bkv < Bq (query row i uses
-    kv row i // (Bq // Bkv)). Returns out (Bq, S, d) (tp_out: (Bq, d, S)) and, with
-    cache_softmax, neg_max and recip (Bq, 128, ceil(S / 128)) float32, query g*128 + p at
-    [.., p, g]."""
-    assert causal_mask and not unused.get("sliding_window"), "stand-in: causal only"
-    # The kernel's own checks (aws-neuron/nki-library src/nkilib_src/nkilib/core/attention/
-    # attention_cte.py, its input validation):
+    """Stand-in for nkilib attention_cte (documented IO, the kernel's positional order,
+    CTE_PARAMS): q (Bq, S, d) if tp_q else (Bq, d, S); k (Bkv, S, d) if tp_k else (Bkv, d, S);
+    v (Bkv, S, d); GQA when Bkv < Bq (query row i uses kv row i // (Bq // Bkv)). Returns out
+    (Bq, S, d) (tp_out: (Bq, d, S)) and, with cache_softmax, neg_max and recip
+    (Bq, 128, ceil(S / 128)) float32, query g*128 + p at [.., p, g]. Causal, without prefix
+    caching, sinks, sliding window, context parallelism or sequence packing (the adapter
+    uses none of them)."""
+    unsupported = (k_prior, v_prior, prior_used_len, sink, cp_offset, global_cp_deg, bound_min)
+    assert causal_mask and not sliding_window, "stand-in: causal only"
+    assert all(x is None for x in (*unsupported, bound_max)), "stand-in: no optional inputs"
+    # The kernel's own checks (CTE = attention_cte.py at nki-library 2.29, see above):
     sq = q.shape[1] if tp_q else q.shape[2]
+    # CTE:379 bs <= _MAX_BS (512)
     assert q.shape[0] <= MAX_FWD_BATCH, f"bs {q.shape[0]} > {MAX_FWD_BATCH} (B*H per device)"
+    # CTE:1625 (in `_check_input_and_return_shape`): seqlen_q % 128 under cache_softmax
     assert not cache_softmax or sq % LSE_TILE == 0, f"cache_softmax: S {sq} % {LSE_TILE} != 0"
+    # CTE:384 bs % bs_kv == 0; CTE:412 d <= _MAX_HEAD_DIM (128)
     assert q.shape[0] % k.shape[0] == 0, f"q batch {q.shape[0]} % kv batch {k.shape[0]} != 0"
+    assert q.shape[-1 if tp_q else 1] <= MAX_HEAD_DIM, f"head dim > {MAX_HEAD_DIM}"
     qf = (q if tp_q else q.transpose(0, 2, 1)).astype(jnp.float32)
     kf = (k if tp_k else k.transpose(0, 2, 1)).astype(jnp.float32)
     g = qf.shape[0] // kf.shape[0]
@@ -194,19 +225,26 @@ def _ref_attention_bwd(
     dy_ref,
     lse_ref,
     sinks_ref=None,
+    bound_min=None,
+    bound_max=None,
     use_causal_mask=False,
     mixed_precision=False,
     softmax_scale=None,
-    **unused,
+    sliding_window=None,
 ):
-    """Stand-in for nkilib attention_bwd (documented IO): q, o, dy (B, H, d, S); k, v
-    (B, KV, d, S); lse (B, H, 128, S // 128); returns dq (B, H, d, S), dk, dv (B, KV, d, S).
-    It uses o and lse as the kernel does (softmax rebuilt from lse, D = rowsum(dy * o)), so a
-    layout error in either changes the gradients."""
+    """Stand-in for nkilib attention_bwd (documented IO, the kernel's positional order,
+    BWD_PARAMS): q, o, dy (B, H, d, S); k, v (B, KV, d, S); lse (B, H, 128, S // 128); returns
+    dq (B, H, d, S), dk, dv (B, KV, d, S). It uses o and lse as the kernel does (softmax
+    rebuilt from lse, D = rowsum(dy * o)), so a layout error in either changes the gradients.
+    Causal, without sinks, sliding window or sequence packing (bound_min/bound_max)."""
+    # BWD:259: bound_min and bound_max both given or both None (this stand-in: None)
+    assert (bound_min is None) == (bound_max is None), "bound_min/bound_max: both or neither"
+    assert bound_min is None and not sliding_window, "stand-in: no packing, no sliding window"
     assert use_causal_mask and sinks_ref is None, "stand-in: causal, no sinks"
     b, h, d, s = q_ref.shape
-    # The kernel's `validate_inputs` (nki-library .../core/attention/attention_bwd.py): heads a
-    # multiple of KV heads, k/v/o/dy/lse shapes, causal => seqlen_q == seqlen_k, one dtype
+    # The kernel's `validate_inputs` (BWD:188, attention_bwd.py at nki-library 2.29):
+    # BWD:226 heads a multiple of KV heads; BWD:230-233 k/v/o/dy shapes; BWD:234 lse shape;
+    # BWD:244 causal => seqlen_q == seqlen_k; BWD:248 one dtype for q/k/v/o/dy
     assert h % k_ref.shape[1] == 0, f"query heads {h} not a multiple of KV heads {k_ref.shape[1]}"
     assert k_ref.shape == v_ref.shape == (b, k_ref.shape[1], d, k_ref.shape[-1]), "k/v shape"
     assert not use_causal_mask or k_ref.shape[-1] == s, f"causal: seqlen_q {s} != seqlen_k"
@@ -214,8 +252,11 @@ def _ref_attention_bwd(
     assert len(dtypes) == 1, f"q/k/v/o/dy must share a dtype, got {sorted(map(str, dtypes))}"
     assert o_ref.shape == dy_ref.shape == q_ref.shape, "o and dy must have q's shape"
     assert lse_ref.shape == (b, h, LSE_TILE, s // LSE_TILE), f"lse shape {lse_ref.shape}"
+    # `setup_config` (BWD:357): BWD:405 key tile min(512, seqlen_k), BWD:414 seqlen_k % tile,
+    # BWD:425 seqlen_q % 128 (the query tile)
     tile = bwd_key_tile(k_ref.shape[-1])
     assert k_ref.shape[-1] % tile == 0, f"seqlen_k {k_ref.shape[-1]} % key tile {tile} != 0"
+    assert s % LSE_TILE == 0, f"seqlen_q {s} % query tile {LSE_TILE} != 0"
     kvh = k_ref.shape[1]
     g = h // kvh
     scale = softmax_scale or d**-0.5

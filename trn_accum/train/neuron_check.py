@@ -3,6 +3,8 @@
 Each row compiles and runs one small program on this process's devices and compares it with
 its reference (the same program another way, on the same devices, or exact arithmetic):
 
+    root          the runtime's root address resolves, its port is free (bind test) and
+                  reserved from the ephemeral range (run first, before the backend starts)
     platform      the JAX backend and its device count (64 per trn2.48xlarge at LNC=2)
     lnc           compiler and runtime logical-core size agree, and the runtime's device count
                   is what that size gives
@@ -15,6 +17,9 @@ its reference (the same program another way, on the same devices, or exact arith
     blockwise     blockwise attention equal to plain (output and gradients)
     neuron-flash  neuron_flash equal to blockwise (the NKI kernels where importable, else the
                   CPU stand-ins, marked so)
+    kernel-pair   the NKI kernels at the job's per-device shape and LNC, an odd B x KV at LNC=2
+                  included when the heads give one (trn2 only: off Neuron it is skipped and
+                  names the shapes it would run; trn_accum/train/node_rows.py)
     remat         a remat'ed bf16 layer equal to the plain one (the preflight warns that remat can
                   emit reduce-precision, which Neuron lists unsupported: this row proves it runs)
     checkpoint    a save and restore on the run directory's filesystem, bit-exact
@@ -49,12 +54,10 @@ from trn_accum.errors import EXIT_FAILED, EXIT_OK
 from trn_accum.model import attention as attn_lib
 from trn_accum.model import fuji
 from trn_accum.neuron import kernels, platform
+from trn_accum.train import node_rows
 from trn_accum.train.checkpoint import Checkpointer
 from trn_accum.train.config import Config, load_config
-
-PASS, FAIL, SKIP = "pass", "FAIL", "skip"
-RTOL = 2e-5  # float32 programs computed two ways
-RTOL_BF16 = 2e-2  # the bf16 remat row
+from trn_accum.train.node_rows import FAIL, PASS, RTOL, RTOL_BF16, SKIP, compare_attention, max_rel
 
 
 @dataclasses.dataclass
@@ -251,30 +254,10 @@ def _attention_inputs(c: Check, seq: int = 256):
     return (q, k, v, ct), m.attention_block
 
 
-def _out_and_grads(fn: Callable, q, k, v, ct):
-    out, vjp = jax.vjp(fn, q, k, v)
-    return [out, *vjp(ct)]
-
-
-def _max_rel(got, want) -> float:
-    return max(
-        float(jnp.max(jnp.abs(g - w)) / (jnp.max(jnp.abs(w)) + 1e-30))
-        for g, w in zip(got, want, strict=True)
-    )
-
-
-def _compare_attention(fn, ref, args, tol: float, what: str) -> tuple[str, str]:
-    got = jax.jit(lambda *a: _out_and_grads(fn, *a))(*args)
-    want = jax.jit(lambda *a: _out_and_grads(ref, *a))(*args)
-    err = _max_rel(got, want)
-    status = PASS if err <= tol else FAIL
-    return status, f"{what}: max relative error of output, dq, dk, dv {err:.2e} (limit {tol:g})"
-
-
 def row_blockwise(c: Check) -> tuple[str, str]:
     args, block = _attention_inputs(c)
     fn = functools.partial(attn_lib.blockwise_attention, block_size=block)
-    return _compare_attention(
+    return compare_attention(
         fn, attn_lib.plain_attention, args, RTOL, f"blockwise (block {block}) vs plain"
     )
 
@@ -290,7 +273,7 @@ def row_neuron_flash(c: Check) -> tuple[str, str]:
         found, label = kernels.reference_kernels(), "CPU stand-in kernels"
     fn = functools.partial(kernels.flash_attention, kernels=found)
     ref = functools.partial(attn_lib.blockwise_attention, block_size=block)
-    return _compare_attention(fn, ref, args, RTOL, f"neuron_flash ({label}) vs blockwise")
+    return compare_attention(fn, ref, args, RTOL, f"neuron_flash ({label}) vs blockwise")
 
 
 def row_remat(c: Check) -> tuple[str, str]:
@@ -308,7 +291,7 @@ def row_remat(c: Check) -> tuple[str, str]:
 
     got = jax.tree.leaves(grads(dataclasses.replace(m, remat=policy)))
     want = jax.tree.leaves(grads(dataclasses.replace(m, remat="none")))
-    err = _max_rel(got, want)
+    err = max_rel(got, want)
     status = PASS if err <= RTOL_BF16 else FAIL
     return (
         status,
@@ -399,6 +382,7 @@ ROWS: tuple[tuple[str, Callable[[Check], tuple[str, str]]], ...] = (
     ("reduce-once", row_reduce_once),
     ("blockwise", row_blockwise),
     ("neuron-flash", row_neuron_flash),
+    ("kernel-pair", node_rows.row_kernel_pair),
     ("remat", row_remat),
     ("checkpoint", row_checkpoint),
     ("cache", row_cache),
@@ -408,25 +392,31 @@ ROWS: tuple[tuple[str, Callable[[Check], tuple[str, str]]], ...] = (
 # ---------------------------------------------------------------------------- running
 
 
+def _row(piece: str, fn: Callable[[], tuple[str, str]]) -> Row:
+    """fn() as a timed Row; a row that raises fails with its one-line cause."""
+    t = time.perf_counter()
+    try:
+        status, detail = fn()
+    except Exception as e:  # the row's piece is broken: name it, keep going
+        last = traceback.extract_tb(e.__traceback__)[-1]
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        status, detail = (
+            FAIL,
+            f"{type(e).__name__}: {msg} (at {os.path.basename(last.filename)}:{last.lineno})",
+        )
+    return Row(piece, status, detail, round(time.perf_counter() - t, 2))
+
+
 def run(config_path: str, *, overrides: Sequence[str] = (), run_dir: str | None = None) -> dict:
     """Every row, in order; a row that raises fails with its one-line cause."""
     t0 = time.perf_counter()
     cfg = load_config(config_path, overrides)
     run_dir = run_dir or os.environ.get("TRN_ACCUM_RUN_DIR") or os.path.join("runs", "neuron-check")
+    # before the backend starts: the runtime itself may bind the root port then
+    on_neuron = platform.neuron_available()
+    rows = [_row("root", lambda: node_rows.row_root(os.environ, on_neuron=on_neuron))]
     check = Check(cfg, run_dir)
-    rows = []
-    for piece, fn in ROWS:
-        t = time.perf_counter()
-        try:
-            status, detail = fn(check)
-        except Exception as e:  # the row's piece is broken: name it, keep going
-            last = traceback.extract_tb(e.__traceback__)[-1]
-            msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            status, detail = (
-                FAIL,
-                f"{type(e).__name__}: {msg} (at {os.path.basename(last.filename)}:{last.lineno})",
-            )
-        rows.append(Row(piece, status, detail, round(time.perf_counter() - t, 2)))
+    rows += [_row(piece, functools.partial(fn, check)) for piece, fn in ROWS]
     return {
         "config": config_path,
         "backend": jax.default_backend(),
