@@ -46,7 +46,7 @@ from trn_accum.train.metrics import (
     trailing_skipped,
     truncate_metrics,
 )
-from trn_accum.train.preemption import Preemption, run_unless_signalled
+from trn_accum.train.preemption import Preemption, exit_now_if_abandoned, run_unless_signalled
 
 
 def resolve_accum_steps(cfg: Config, mesh: jax.sharding.Mesh) -> tuple[Config, Any]:
@@ -192,7 +192,9 @@ def run(
     # SIGTERM/SIGINT only set a flag from here on (restore and compile can take minutes on
     # trn2); the loop turns it into a save and EXIT_PREEMPTED.
     with Preemption() as pre:
-        return _run(cfg, pre, run_dir=run_dir, profile=profile, console=console, allowed=allowed)
+        code = _run(cfg, pre, run_dir=run_dir, profile=profile, console=console, allowed=allowed)
+    exit_now_if_abandoned(code)  # a compile abandoned to a signal: no interpreter shutdown
+    return code
 
 
 def _config_changes(record: dict, ckpt, at: int, run_dir: str, allowed: set[str], say) -> dict:

@@ -20,7 +20,9 @@ After saving, the trainer exits with ``trn_accum.errors.EXIT_PREEMPTED`` (75, EX
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import sys
 import threading
 from collections.abc import Iterable
 from typing import Any
@@ -132,6 +134,20 @@ class Preemption:
         return self._agreed
 
 
+_ABANDONED: list[threading.Thread] = []  # native work left running by run_unless_signalled
+
+
+def exit_now_if_abandoned(code: int) -> None:
+    """End the process with `code` at once (`os._exit`, stdio flushed) while work that
+    `run_unless_signalled` abandoned still runs: interpreter shutdown would unwind that thread
+    inside XLA's C++ compile and abort ("FATAL: exception not rethrown"). Call it after every
+    cleanup (claim released, files closed)."""
+    if any(t.is_alive() for t in _ABANDONED):
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(code)
+
+
 def run_unless_signalled(fn, pre: Preemption, poll_s: float = 0.1) -> tuple[bool, Any]:
     """(True, fn()) when `fn` finishes first; (False, None) as soon as `pre` has been signalled.
 
@@ -150,9 +166,11 @@ def run_unless_signalled(fn, pre: Preemption, poll_s: float = 0.1) -> tuple[bool
         finally:
             done.set()
 
-    threading.Thread(target=target, name="trn-accum-compile", daemon=True).start()
+    thread = threading.Thread(target=target, name="trn-accum-compile", daemon=True)
+    thread.start()
     while not done.wait(poll_s):
         if pre.requested:
+            _ABANDONED.append(thread)
             return False, None
     if "error" in box:
         raise box["error"]
