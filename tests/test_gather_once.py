@@ -140,7 +140,7 @@ def test_fuji_loss_gathered_once_equals_per_minibatch(dtype):
 
 
 def test_gather_needs_reduce_once_and_a_known_mode():
-    with pytest.raises(ValueError, match='gather=\'once\' needs reduce="once"'):
+    with pytest.raises(ValueError, match="gather='once' needs reduce=\"once\""):
         accumulate_gradients(_loss, steps=2, gather="once")
     with pytest.raises(ValueError, match=r"gather='twice' must be one of \('per_minibatch'"):
         accumulate_gradients(_loss, steps=2, reduce="once", weight_fn=len, gather="twice")

@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from trn_accum.analysis import recommend as rec
 from trn_accum.analysis import steptime
+from trn_accum.core.sharding import resolve_axes
 from trn_accum.neuron import platform
 
 LINKS = {
@@ -237,8 +238,10 @@ def test_explore_tiny_candidates_and_recommendation(monkeypatch):
     def fake(cfg, *, nodes, layout, **_):  # remat "none" recomputes nothing: less compute
         k, once = cfg.trainer.accum_steps, cfg.trainer.reduce == "once"
         compute = {"none": 0.75, "save_qkvo": 1.0, "full": 1.25}[cfg.model.remat]
-        s = _summary(0.0 if once else 100.0 * k, 10.0 * k, 0.1 if once else 0.2 * k, compute)
-        return {**s, "depths_compiled": [2], "compile_s": 0.0, "target_mesh": {},
+        efa_s = {"per_minibatch": 0.1, "once": 0.06, "once_unsharded": 0.05}[cfg.trainer.gather]
+        s = _summary(0.0 if once else 100.0 * k, 10.0 * k, efa_s if once else 0.2 * k, compute)
+        target = resolve_axes(cfg.mesh.axes(), layout.devices_per_node * nodes)
+        return {**s, "depths_compiled": [2], "compile_s": 0.0, "target_mesh": target,
                 "mesh_shape": dict(cfg.mesh.axes()), "trips": [],
                 "memory_bytes": budget + 1 if k == 1 else budget}  # fmt: skip
 
@@ -266,11 +269,15 @@ def test_explore_tiny_candidates_and_recommendation(monkeypatch):
         # stage two: the fastest of those (hybrid k=2 once) with the other remat policies
         ("hybrid x2 k=2 once remat=none", True),
         ("hybrid x2 k=2 once remat=full", True),
+        # stage three: the fastest "once" candidate (remat none) with each gather option
+        ("hybrid x2 k=2 once remat=none gather=once", True),
+        ("hybrid x2 k=2 once remat=none gather=once_unsharded", True),
     ]
     assert st["fit_k"]["hybrid remat=none x2"] == [1, 2, 4]
+    assert st["fit_k"]["hybrid gather=once_unsharded x2"] == [1, 2, 4]
     best = st["recommendation"]
-    assert best["label"] == "hybrid x2 k=2 once remat=none"
-    why = "remat = none over the config's: step 1.350 s vs 1.600 s"
+    assert best["label"] == "hybrid x2 k=2 once remat=none gather=once_unsharded"
+    why = "gather = once_unsharded over once: step 1.300 s vs 1.310 s"
     assert any(r.startswith(why) for r in best["reasons"]), best
     assert best["candidate"] in [c["candidate"] for c in st["candidates"]]
     assert best["candidate"]["mesh_shape"] == {"data": -1, "fsdp": 2, "model": 1}
@@ -279,7 +286,9 @@ def test_explore_tiny_candidates_and_recommendation(monkeypatch):
         (1, 16), (2, 32), (4, 64), (3, 48)
     ]  # fmt: skip
     lines = perfmodel.format_lines(st)
-    assert "  recommended at 2 node(s): hybrid x2 k=2 once remat=none" in lines
+    assert (
+        "  recommended at 2 node(s): hybrid x2 k=2 once remat=none gather=once_unsharded" in lines
+    )
     assert any(ln.split()[:2] == ["4", "64"] for ln in lines)
 
 

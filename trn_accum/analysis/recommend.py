@@ -50,10 +50,12 @@ class Candidate:
     k: int
     reduce: str
     remat: str | None = None  # model.remat; None: the config's policy
+    gather: str | None = None  # trainer.gather; None: the config's
 
     def label(self) -> str:
         policy = "" if self.remat is None else f" remat={self.remat}"
-        return f"{self.mesh} x{self.nodes} k={self.k} {self.reduce}{policy}"
+        gather = "" if self.gather is None else f" gather={self.gather}"
+        return f"{self.mesh} x{self.nodes} k={self.k} {self.reduce}{policy}{gather}"
 
 
 def candidate_grid(
@@ -70,7 +72,8 @@ def candidate_grid(
     return out
 
 
-def _key(row: Mapping[str, Any]) -> tuple[float, float]:
+def sort_key(row: Mapping[str, Any]) -> tuple[float, float]:
+    """(no-overlap, full-overlap) step time of a row: the ranking."""
     s = row["summary"]
     return (s["step_s_no_overlap"], s["step_s_full_overlap"])
 
@@ -91,13 +94,13 @@ def recommend(rows: Sequence[Mapping[str, Any]], nodes: int) -> dict[str, Any] |
     pool = [r for r in rows if r["fits"] and r["candidate"].nodes == nodes]
     if not pool:
         return None
-    pool.sort(key=_key)
+    pool.sort(key=sort_key)
     fastest = pool[0]
-    limit = _key(fastest)[0] * (1 + HEADROOM_BAND)
+    limit = sort_key(fastest)[0] * (1 + HEADROOM_BAND)
     same = [
         r
         for r in pool
-        if _key(r)[0] <= limit
+        if sort_key(r)[0] <= limit
         and (r["candidate"].mesh, r["candidate"].reduce)
         == (fastest["candidate"].mesh, fastest["candidate"].reduce)
     ]
@@ -122,7 +125,7 @@ def recommend(rows: Sequence[Mapping[str, Any]], nodes: int) -> dict[str, Any] |
         said.add(field)
         os_ = other["summary"]
         theirs = getattr(other["candidate"], field)
-        theirs = "the config's" if theirs is None else theirs  # remat None: the config's policy
+        theirs = "the config's" if theirs is None else theirs  # None: the config's setting
         parts = [
             f"{field} = {getattr(b, field)} over {theirs}: step "
             f"{bs['step_s_no_overlap']:.3f} s vs {os_['step_s_no_overlap']:.3f} s (no overlap)"
@@ -148,7 +151,7 @@ def format_rows(rows: Sequence[Mapping[str, Any]]) -> list[str]:
         f"{'comm':>8} {'step s':>15} {'tokens/s':>19} {'MFU':>13}"
     )
     lines = [head]
-    for r in sorted(rows, key=lambda r: (r["candidate"].nodes, _key(r))):
+    for r in sorted(rows, key=lambda r: (r["candidate"].nodes, sort_key(r))):
         s = r["summary"]
         cells = [format_bytes(_link_bytes(r, lk)) for lk in platform.LINK_CLASSES]
         lo, hi = s["step_s_full_overlap"], s["step_s_no_overlap"]

@@ -44,6 +44,7 @@ from trn_accum.analysis.memory import (
     compiled_memory,
     fit_by_steps,
     footprint,
+    gather_once_bytes,
     state_shard_bytes,
 )
 from trn_accum.core.sharding import resolve_axes, split_minibatches
@@ -207,11 +208,12 @@ def _run(cfg, config_path, overrides, devices, nodes, t_start) -> dict[str, Any]
     act = activation_estimate(cfg, rows_per_mb, local_shape.get("model", 1))
     budget = DEVICE_BUDGET_GIB * GIB
     state_bytes = p_bytes + g_bytes + o_bytes
-    analytic_total = state_bytes + g_bytes + act["total"]  # + one minibatch's gradient
+    gathered = gather_once_bytes(abstract["params"], specs, full_shape, step.FSDP_AXES,
+                                 cfg.model.compute_dtype, cfg.trainer.gather)  # fmt: skip
+    fixed = state_bytes + g_bytes + gathered  # + one minibatch's gradient, trainer.gather's
+    analytic_total = fixed + act["total"]
     fit_nodes = sorted({1, cfg.mesh.nodes, nodes})
-    fit_table = [
-        fit_by_steps(cfg, local_shape, state_bytes + g_bytes, n, budget) for n in fit_nodes
-    ]
+    fit_table = [fit_by_steps(cfg, local_shape, fixed, n, budget) for n in fit_nodes]
 
     # FLOPs.
     fl = step.flops_per_step(cfg)  # the full global batch (all nodes)
@@ -252,6 +254,7 @@ def _run(cfg, config_path, overrides, devices, nodes, t_start) -> dict[str, Any]
             "grads": g_bytes,
             "opt_state": o_bytes,
             "state_total": state_bytes,
+            "gather_once": gathered,
         },
         "compiled_memory_per_device": mem,
         "compiled_memory_caveat": (

@@ -46,6 +46,7 @@ from trn_accum.analysis.memory import (
     compiled_memory,
     fit_by_steps,
     footprint,
+    gather_once_bytes,
     state_shard_bytes,
 )
 from trn_accum.core.sharding import resolve_axes
@@ -61,13 +62,15 @@ _HLO: dict[tuple, tuple[Any, Any, float]] = {}  # program -> (HLO module, footpr
 
 
 def _with(cfg, *, mesh: dict | None = None, k: int | None = None, reduce: str | None = None,
-          layers: int | None = None, remat: str | None = None):  # fmt: skip
-    """cfg with mesh sizes / accum_steps / reduce / num_layers / remat policy replaced."""
+          layers: int | None = None, remat: str | None = None,
+          gather: str | None = None):  # fmt: skip
+    """cfg with mesh sizes / accum_steps / reduce / num_layers / remat / gather replaced."""
     m = cfg.mesh if mesh is None else dataclasses.replace(cfg.mesh, **mesh)
     t = dataclasses.replace(
         cfg.trainer,
         accum_steps=cfg.trainer.accum_steps if k is None else k,
         reduce=cfg.trainer.reduce if reduce is None else reduce,
+        gather=cfg.trainer.gather if gather is None else gather,
     )
     mo = cfg.model if layers is None else dataclasses.replace(cfg.model, num_layers=layers)
     mo = mo if remat is None else dataclasses.replace(mo, remat=remat)
@@ -95,13 +98,15 @@ def _compiled_module(cfg, devices, rows: int):
 
 def _state_bytes(cfg, target_shape: dict) -> int:
     """Per-device params + optimizer state + two float32 gradients (accumulator and one
-    minibatch's) on the full mesh."""
+    minibatch's) on the full mesh, + what trainer.gather keeps (`gather_once_bytes`)."""
     tx, _ = step_lib.make_optimizer(cfg)
     abstract = step_lib.abstract_state(cfg, tx)
     specs = fuji.param_specs(cfg.model, cfg.mesh.rules, target_shape)
     sspecs = step_lib.state_specs(tx, abstract, specs)
     b = state_shard_bytes(abstract, specs, sspecs["opt_state"], target_shape)
-    return b["params"] + b["opt_state"] + 2 * b["grads"]
+    gathered = gather_once_bytes(abstract["params"], specs, target_shape, step_lib.FSDP_AXES,
+                                 cfg.model.compute_dtype, cfg.trainer.gather)  # fmt: skip
+    return b["params"] + b["opt_state"] + 2 * b["grads"] + gathered
 
 
 def predict(cfg, *, nodes: int, layout: steptime.Layout, devices=None,
@@ -163,6 +168,11 @@ def predict(cfg, *, nodes: int, layout: steptime.Layout, devices=None,
     }
 
 
+def _has_data(row) -> bool:
+    """The candidate's full mesh has a data axis (else "once" is per_minibatch)."""
+    return row["summary"].get("target_mesh", {}).get("data", 1) > 1
+
+
 def fitting_k(cfg, mesh_axes: dict, nodes: int, layout: steptime.Layout) -> dict[str, Any]:
     """`fit_by_steps` of `cfg` on `mesh_axes` at `nodes` nodes (analytic, budget =
     trainer.memory_budget_gib)."""
@@ -180,7 +190,8 @@ def explore(cfg, *, nodes: int, layout: steptime.Layout, devices=None,
             meshes=None, k_limit: int = 2, depths=DEFAULT_DEPTHS,
             emulate_nodes: int = EMULATE_NODES,
             scale_nodes: Sequence[int] = SCALE_NODES,
-            remats: Sequence[str] = fuji.REMAT_POLICIES) -> dict[str, Any]:  # fmt: skip
+            remats: Sequence[str] = fuji.REMAT_POLICIES,
+            gathers: Sequence[str] = ("once", "once_unsharded")) -> dict[str, Any]:  # fmt: skip
     """The config's prediction, every candidate's (fit, summary), the recommendation and the
     weak-scaling table of the recommended choice.
 
@@ -189,7 +200,9 @@ def explore(cfg, *, nodes: int, layout: steptime.Layout, devices=None,
     `k_limit` smallest k whose analytic bytes fit trainer.memory_budget_gib (a lower bound:
     nothing below it can fit), both reduce modes; a candidate fits by that estimate. Then the
     fastest of them with each other remat policy of `remats` whose analytic bytes fit at its k
-    (a second stage: remat changes compute and memory, not the collectives' layout). Each
+    (a second stage: remat changes compute and memory, not the collectives' layout); then
+    the fastest reduce="once" candidate with a data axis with each trainer.gather of `gathers`
+    whose analytic bytes (with `gather_once_bytes`) fit at its k. Each
     summary also carries its program's compiled footprint ("memory_bytes"), not used for the
     fit: the priced programs use plain attention (`plain_attention`) and XLA:CPU keeps bf16
     temporaries in float32, so it overstates what the program needs on trn2. The
@@ -230,6 +243,22 @@ def explore(cfg, *, nodes: int, layout: steptime.Layout, devices=None,
                     {"candidate": cand, "fits": True, "summary": predict(c, nodes=nodes, **kw)}
                 )
         best = rec.recommend(rows, nodes)
+    # the gather options on the fastest reduce="once" candidate that has a data axis
+    once_rows = [r for r in rows if r["candidate"].reduce == "once" and _has_data(r)]
+    if once_rows and gathers:
+        b = min(once_rows, key=rec.sort_key)["candidate"]
+        axes = meshes[b.mesh]
+        for mode in gathers:
+            c = _with(cfg, mesh=axes, k=b.k, reduce="once", remat=b.remat, gather=mode)
+            f = fitting_k(c, axes, nodes, layout)
+            ks = [r["k"] for r in f["table"] if r["bytes"] <= budget]
+            fit_ks[(f"{b.mesh} gather={mode}", nodes)] = ks
+            if b.k in ks:
+                cand = dataclasses.replace(b, gather=mode)
+                rows.append(
+                    {"candidate": cand, "fits": True, "summary": predict(c, nodes=nodes, **kw)}
+                )
+        best = rec.recommend(rows, nodes)
     own = predict(cfg, nodes=nodes, **kw)
     shapes = {r["candidate"]: r["summary"]["mesh_shape"] for r in rows}
     scale = []
@@ -237,7 +266,8 @@ def explore(cfg, *, nodes: int, layout: steptime.Layout, devices=None,
         b = rec.Candidate(**best["candidate"])
         best["candidate"] = {**best["candidate"], "mesh_shape": shapes[b]}
         scale = scale_table(_with(cfg, mesh=meshes[b.mesh], k=b.k, reduce=b.reduce,
-                                  remat=b.remat), nodes, scale_nodes, **kw)  # fmt: skip
+                                  remat=b.remat, gather=b.gather), nodes, scale_nodes,
+                            **kw)  # fmt: skip
     return {
         "config": {
             "mesh": cfg.mesh.axes(),

@@ -50,6 +50,7 @@ from trn_accum.train import optim
 from trn_accum.train.config import Config
 
 BATCH_AXES = ("data", "fsdp")
+FSDP_AXES = ("fsdp",)  # the batch axis the parameters are also sharded over (trainer.gather)
 BATCH_SPEC = P(BATCH_AXES)  # leaves [B, S]: rows over the batch axes, sequence replicated
 AUX_REDUCTION = {"per_example_loss": "concat", "num_target_tokens": "sum"}
 
