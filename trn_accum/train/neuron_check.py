@@ -14,6 +14,7 @@ its reference (the same program another way, on the same devices, or exact arith
     accumulate    the real train step (the config's model pieces, reduced size) at k=4 equal to
                   k=1: loss and gradient norm
     reduce-once   reduce="once" equal to "per_minibatch"
+    gather-once   trainer.gather = "once_unsharded" equal to "per_minibatch" (under "once")
     blockwise     blockwise attention equal to plain (output and gradients)
     neuron-flash  neuron_flash equal to blockwise (the NKI kernels where importable, else the
                   CPU stand-ins, marked so)
@@ -243,6 +244,16 @@ def row_reduce_once(c: Check) -> tuple[str, str]:
     )
 
 
+def row_gather_once(c: Check) -> tuple[str, str]:
+    """trainer.gather = "once_unsharded" (the FSDP weights gathered once, bf16 on the wire in
+    the trainer; float32 here) equal to "per_minibatch", both under reduce="once"."""
+    kw = dict(data=2, accum_steps=4, reduce="once")
+    return _compare_steps(
+        c, "gather once_unsharded", c.probe(**kw, gather="once_unsharded"),
+        "per_minibatch", c.probe(**kw),
+    )  # fmt: skip
+
+
 def _attention_inputs(c: Check, seq: int = 256):
     m = c.probe().model
     ks = jax.random.split(jax.random.key(1), 4)
@@ -380,6 +391,7 @@ ROWS: tuple[tuple[str, Callable[[Check], tuple[str, str]]], ...] = (
     ("psum-procs", row_psum_procs),
     ("accumulate", row_accumulate),
     ("reduce-once", row_reduce_once),
+    ("gather-once", row_gather_once),
     ("blockwise", row_blockwise),
     ("neuron-flash", row_neuron_flash),
     ("kernel-pair", node_rows.row_kernel_pair),
