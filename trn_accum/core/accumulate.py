@@ -225,7 +225,7 @@ def _accumulate(opts: _Options, params: Any, batch: Any, args: tuple) -> Any:
         (loss, aux, grads, dropped), state = once.run_manual(
             lambda *a, **kw: local(*a, **kw)[0], mesh=mesh, manual=manual, batch_specs=specs,
             reductions=reductions, params=params, batch=batch, args=args, gathers=gathers,
-            gather_dtype=opts.gather[1], shardings=grad_shardings), None
+            gather_dtype=opts.gather[1]), None
         # fmt: on
     else:
         (loss, aux, grads, dropped), state = local(params, batch, args, specs, ())

@@ -139,7 +139,6 @@ def run_manual(
     args: tuple,
     gathers: list | None = None,
     gather_dtype: Any = None,
-    shardings: list | None = None,
 ) -> tuple:
     """`local(params, batch, args, inner_specs, manual)` -> (loss, aux, grads, dropped) in a
     `shard_map` manual over `manual` only. Batch leaves enter split over the manual axes
@@ -173,9 +172,7 @@ def run_manual(
         if gathers is None:
             params = jax.tree.map(lambda p: jax.lax.pcast(p, manual, to="varying"), params)
             return local(params, batch, args, inner_specs, manual)
-        # the auto axes (e.g. "model") of each shard kept as the parameter's spec says
-        shards = shd.constrain_leaves(jax.tree.leaves(params), shardings)
-        shards = [gather_once.to_varying(x, manual) for x in shards]
+        shards = [gather_once.to_varying(x, manual) for x in jax.tree.leaves(params)]
         full = [
             gather_once.to_varying(gather_once.gather(x, g, gather_dtype), manual)
             for x, g in zip(shards, gathers, strict=True)
