@@ -193,6 +193,18 @@ def test_nki_adapter_pads_to_what_both_kernels_accept(s, sp):
     _assert_close(_out_and_grads(fn, q, k, v, ct), _out_and_grads(plain_attention, q, k, v, ct))
 
 
+def test_nki_adapter_chunks_rows_beyond_the_forward_batch_limit():
+    """B*H = 5 x 128 = 640 > 512 (the forward kernel asserts bs <= 512): the adapter runs rows
+    in chunks of 512 // 128 = 4 (two kernel pairs), equal to plain attention."""
+    from trn_accum.model.attention import plain_attention
+
+    q, k, v, ct = _inputs(b=5, s=128, h=128, kv=64, dh=8, seed=7)
+    kernels = nki_kernels.reference_kernels()
+    fn = functools.partial(nki_flash_attention, fwd=kernels["fwd"], bwd=kernels["bwd"], lnc=1)
+    _assert_close(_out_and_grads(fn, q, k, v, ct), _out_and_grads(plain_attention, q, k, v, ct))
+    assert len(kernels["fwd"].grids) == 2 and len(kernels["bwd"].grids) == 2
+
+
 def test_backward_stand_in_rejects_a_key_length_off_the_512_tile():
     b, h, d, s = 1, 1, 8, 640
     x = jnp.zeros((b, h, d, s), jnp.float32)

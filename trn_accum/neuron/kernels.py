@@ -333,6 +333,8 @@ def nki_flash_attention(q, k, v, *, fwd, bwd, lnc: int | None = None, softmax_sc
 
     Sp = `padded_seq_len(S)` on the right (128s up to 512, then 512s; causal masking hides the
     padding from every real query). Kernel IO shares q's dtype (softmax statistics: float32).
+    B*H above the forward's 512 (`MAX_FWD_BATCH`): the rows run in chunks of 512 // H, one
+    kernel pair each.
     """
     b, s, h, dh = q.shape
     kvh = k.shape[2]
@@ -342,6 +344,12 @@ def nki_flash_attention(q, k, v, *, fwd, bwd, lnc: int | None = None, softmax_sc
             f"(a multiple of kv heads {kvh}) do not fit the NKI kernels; use 'blockwise'"
         )
     lnc = platform.lnc_setting() if lnc is None else platform.check_lnc(lnc)
+    rows = max(1, MAX_FWD_BATCH // h)  # the forward takes at most 512 (B*H) per launch
+    if b > rows:  # a static loop over row chunks; each chunk is one kernel pair
+        kw = dict(fwd=fwd, bwd=bwd, lnc=lnc, softmax_scale=softmax_scale)
+        parts = [nki_flash_attention(q[i : i + rows], k[i : i + rows], v[i : i + rows], **kw)
+                 for i in range(0, b, rows)]  # fmt: skip
+        return jnp.concatenate(parts, axis=0)
     scale = dh**-0.5 if softmax_scale is None else float(softmax_scale)
     sp = padded_seq_len(s)
     dt = q.dtype
