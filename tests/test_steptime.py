@@ -189,7 +189,7 @@ def test_recommend_prefers_fewer_efa_bytes_at_the_node_count():
 def test_tiny_train_step_once_reduces_over_nodes_once():
     """The real train step (tiny Fuji, k=2) on 2 "nodes" of 4 devices (data 4 x fsdp 2): with
     reduce="once" the only cross-node traffic is one all-reduce of the float32 gradient shard
-    (+ loss, weight, token count, dropped-minibatch count: 16 bytes, S in all) over the 4 data
+    (+ loss, weight, token count: 12 bytes, S in all) over the 4 data
     groups. A data group
     (0, 2, 4, 6) has 2 devices on 2 chips in each of 2 nodes: hierarchically, a reduce-scatter
     and an all-gather inside the node (2 x 1/2 x S on the node link) and an all-reduce of the
@@ -208,13 +208,13 @@ def test_tiny_train_step_once_reduces_over_nodes_once():
     f32 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float32), params)
     grad = tree_shard_bytes(f32, fuji.param_specs(cfg.model, "fsdp", shape), shape)
     assert once["target_mesh"] == shape
-    assert once["by_link"]["efa"]["wire_bytes"] == 2 * 1 / 2 * (grad + 16) / 2
+    assert once["by_link"]["efa"]["wire_bytes"] == 2 * 1 / 2 * (grad + 12) / 2
     data_ar = [c for c in steptime.collective_costs(
         perfmodel._compiled_module(perfmodel._with(cfg, reduce="once"), jax.devices()[:8], 32)[0],
         shape, layout=layout) if c.axes == ("data",)]  # fmt: skip
     assert [(c.levels, c.by_link) for c in data_ar] == [
-        ((1, 2, 2), {"node": (grad + 16.0, pytest.approx(data_ar[0].by_link["node"][1])),
-                     "efa": ((grad + 16) / 2, pytest.approx(data_ar[0].by_link["efa"][1]))})
+        ((1, 2, 2), {"node": (grad + 12.0, pytest.approx(data_ar[0].by_link["node"][1])),
+                     "efa": ((grad + 12) / 2, pytest.approx(data_ar[0].by_link["efa"][1]))})
     ]  # fmt: skip
     assert once["by_axes"]["data"]["loop_wire_bytes_per_minibatch"] == 0.0
     assert per_mb["by_axes"]["data"]["loop_wire_bytes_per_minibatch"] > 0

@@ -77,9 +77,10 @@ def test_nonfinite_minibatch_is_dropped_not_the_step(reduce):
     """k = 4: a NaN target mask on minibatch 1's rows (1::4; its loss and weight NaN) drops that
     minibatch only: the step is applied (not skipped), counts 1 in `dropped_minibatches` (4 =
     every loss_fn call of it under "once": manual over data = 4) and equals the step with those
-    rows' mask 0 (which weight_fn drops as zero weight), loss, gradient norm and parameters."""
-    cfg = load_config(TINY, F32 + ["trainer.accum_steps=4", f"trainer.reduce={reduce}"])
-    trainer = loop.Trainer.build(cfg)
+    rows' mask 0 (which weight_fn drops as zero weight), loss, gradient norm and parameters.
+    Off (the default), the same batch skips the whole step."""
+    sets = ["trainer.accum_steps=4", f"trainer.reduce={reduce}", "trainer.skip_nonfinite=true"]
+    trainer = loop.Trainer.build(load_config(TINY, F32 + sets))
     batch = jax.device_get(trainer.batch(0))
     out = {}
     for name, value in (("nan", np.nan), ("zero", 0.0)):
@@ -97,6 +98,11 @@ def test_nonfinite_minibatch_is_dropped_not_the_step(reduce):
     nan_params, zero_params = (jax.tree.leaves(n["params"]) for n in (new_nan, new_zero))
     for a, b in zip(nan_params, zero_params, strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    off = loop.Trainer.build(load_config(TINY, F32 + sets[:2]))
+    mask = np.array(batch["target_mask"])
+    mask[1::4] = np.nan
+    new_off, m_off = jax.device_get(off.step(off.init(), dict(batch, target_mask=mask)))
+    assert int(new_off["skipped"]) == 1 and int(m_off["dropped_minibatches"]) == 0
 
 
 def _check_compiled_step_no_conditional_donated_and_sharded(tiny_k4):

@@ -106,6 +106,10 @@ class TrainerConfig:
     # stop (exit 2) when this many steps in a row (all of them in a shorter run) were skipped
     # as non-finite; 0 = never stop
     stop_after_nonfinite: int = 100
+    # drop a minibatch whose loss or gradient is not finite and keep the step (the metric
+    # dropped_minibatches); off by default: on XLA:CPU the finiteness test makes the
+    # partitioner all-reduce the FSDP gradient partials in bf16 instead of float32 (README)
+    skip_nonfinite: bool = False
 
 
 @dataclass(frozen=True)
@@ -235,7 +239,7 @@ def _describe(tp, choices) -> str:
         return "one of " + ", ".join(repr(c) for c in choices)
     if tp == (int | str):
         return 'an integer or "auto"'
-    return {int: "an integer", float: "a number", str: "a string"}[tp]
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}[tp]
 
 
 def _check_type(key: str, value: Any, tp, choices) -> None:
@@ -246,6 +250,8 @@ def _check_type(key: str, value: Any, tp, choices) -> None:
         ok = ok and math.isfinite(value)
     elif tp is str:
         ok = isinstance(value, str) and (not choices or value in choices)
+    elif tp is bool:
+        ok = isinstance(value, bool)
     elif tp == (int | str):  # trainer.accum_steps
         ok = (isinstance(value, int) and not isinstance(value, bool)) or value == "auto"
     else:  # pragma: no cover - a field type this module does not know

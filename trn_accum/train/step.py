@@ -9,10 +9,11 @@ State (a dict, so checkpoints are plain trees)::
 
 One step: the global batch [B, S] (sharded P(("data", "fsdp"), None)) goes through
 `accumulate_gradients` (k = trainer.accum_steps strided minibatches, each weighted by its number
-of target tokens, so the result equals the full-batch gradient; with `skip_nonfinite`, a
-minibatch whose loss or gradient is not finite is dropped and counted in the metric
-`dropped_minibatches`), then the optax update of `trn_accum.train.optim` behind a non-finite
-guard (a `jnp.where` select, no conditional): a step is skipped when every minibatch was. The
+of target tokens, so the result equals the full-batch gradient; with trainer.skip_nonfinite,
+a minibatch whose loss or gradient is not finite is dropped and counted in the metric
+`dropped_minibatches`, 0 otherwise), then the optax update of `trn_accum.train.optim` behind a
+non-finite guard (a `jnp.where` select, no conditional): a step is skipped when it is not
+finite (with skip_nonfinite: when every minibatch was dropped). The
 step is jitted with in/out shardings stated and the state donated, and traced under
 `jax.set_mesh(mesh)` so the model's activation constraints apply.
 
@@ -233,11 +234,13 @@ def make_train_step(cfg: Config, mesh, tx, lr_fn, specs, state_shardings):
         reduce=cfg.trainer.reduce,
         gather=cfg.trainer.gather,  # the model casts every matrix to the compute dtype itself
         gather_dtype=cfg.model.compute_dtype,
-        skip_nonfinite=True,  # a non-finite minibatch is dropped; all of them: a NaN step
+        skip_nonfinite=cfg.trainer.skip_nonfinite,  # all dropped: a NaN step, skipped
     )
 
     def step(state, batch):
-        (loss, aux), grads, dropped = grad_fn(state["params"], batch)
+        out = grad_fn(state["params"], batch)
+        (loss, aux), grads = out[:2]
+        dropped = out[2] if cfg.trainer.skip_nonfinite else jnp.int32(0)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         lr = lr_fn(state["step"] - state["skipped"])  # the schedule counts applied updates
