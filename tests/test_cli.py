@@ -130,11 +130,9 @@ def test_resume_is_exact_after_sigterm_and_sigkill_during_save(tmp_path):
         np.testing.assert_array_equal(x, y)
 
 
-@pytest.mark.slow
-def test_external_sigterm_saves_and_exits_75(tmp_path):
-    run = tmp_path / "run"
-    args = ["train", "--config", TINY, "--run-dir", run, "--set", "trainer.steps=100000"]
-    proc = subprocess.Popen(
+def _start(args) -> subprocess.Popen:
+    """`trn-accum ARGS` started in the background, its output piped (text)."""
+    return subprocess.Popen(
         [sys.executable, "-m", "trn_accum.cli", *map(str, args)],
         env=subprocess_env(),
         cwd=ROOT,
@@ -142,6 +140,13 @@ def test_external_sigterm_saves_and_exits_75(tmp_path):
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+@pytest.mark.slow
+def test_external_sigterm_saves_and_exits_75(tmp_path):
+    run = tmp_path / "run"
+    args = ["train", "--config", TINY, "--run-dir", run, "--set", "trainer.steps=100000"]
+    proc = _start(args)
     try:
         deadline = time.time() + 240
         while time.time() < deadline:
@@ -167,14 +172,7 @@ def test_sigterm_during_the_first_compile_exits_75_at_once(tmp_path):
     period), writes no checkpoint and releases its claim; the next start trains normally."""
     run = tmp_path / "run"
     args = ["train", "--config", TINY, "--run-dir", run, "--set", "trainer.steps=2"]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "trn_accum.cli", *map(str, args)],
-        env=subprocess_env(),
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc = _start(args)
     try:
         for line in proc.stdout:
             if line.startswith("training "):

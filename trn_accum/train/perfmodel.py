@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -168,6 +169,22 @@ def predict(cfg, *, nodes: int, layout: steptime.Layout, devices=None,
     }
 
 
+def _variant_rows(cfg, b, field: str, values, *, meshes, nodes, layout, budget, fit_ks, kw):
+    """Rows of candidate `b` with `field` ("remat" or "gather") set to each of `values` whose
+    analytic bytes fit at b's k; `fit_ks` gets the fitting ks of each value."""
+    out = []
+    for value in values:
+        picks = {"remat": b.remat, "gather": b.gather, field: value}
+        c = _with(cfg, mesh=meshes[b.mesh], k=b.k, reduce=b.reduce, **picks)
+        f = fitting_k(c, meshes[b.mesh], nodes, layout)
+        ks = [r["k"] for r in f["table"] if r["bytes"] <= budget]
+        fit_ks[(f"{b.mesh} {field}={value}", nodes)] = ks
+        if b.k in ks:
+            cand = dataclasses.replace(b, **{field: value})
+            out.append({"candidate": cand, "fits": True, "summary": predict(c, nodes=nodes, **kw)})
+    return out
+
+
 def _has_data(row) -> bool:
     """The candidate's full mesh has a data axis (else "once" is per_minibatch)."""
     return row["summary"].get("target_mesh", {}).get("data", 1) > 1
@@ -228,36 +245,16 @@ def explore(cfg, *, nodes: int, layout: steptime.Layout, devices=None,
         summary = predict(c, nodes=cand.nodes, **kw)
         rows.append({"candidate": cand, "fits": True, "summary": summary})
     best = rec.recommend(rows, nodes)
+    variant = functools.partial(_variant_rows, cfg, meshes=meshes, nodes=nodes, layout=layout,
+                                budget=budget, fit_ks=fit_ks, kw=kw)  # fmt: skip
     if best is not None:  # the other remat policies, on the fastest candidate only
-        b = rec.Candidate(**best["candidate"])
-        for policy in remats:
-            if policy == cfg.model.remat:
-                continue
-            c = _with(cfg, mesh=meshes[b.mesh], k=b.k, reduce=b.reduce, remat=policy)
-            f = fitting_k(c, meshes[b.mesh], nodes, layout)
-            ks = [r["k"] for r in f["table"] if r["bytes"] <= budget]
-            fit_ks[(f"{b.mesh} remat={policy}", nodes)] = ks
-            if b.k in ks:
-                cand = dataclasses.replace(b, remat=policy)
-                rows.append(
-                    {"candidate": cand, "fits": True, "summary": predict(c, nodes=nodes, **kw)}
-                )
+        others = [p for p in remats if p != cfg.model.remat]
+        rows += variant(rec.Candidate(**best["candidate"]), "remat", others)
         best = rec.recommend(rows, nodes)
     # the gather options on the fastest reduce="once" candidate that has a data axis
     once_rows = [r for r in rows if r["candidate"].reduce == "once" and _has_data(r)]
     if once_rows and gathers:
-        b = min(once_rows, key=rec.sort_key)["candidate"]
-        axes = meshes[b.mesh]
-        for mode in gathers:
-            c = _with(cfg, mesh=axes, k=b.k, reduce="once", remat=b.remat, gather=mode)
-            f = fitting_k(c, axes, nodes, layout)
-            ks = [r["k"] for r in f["table"] if r["bytes"] <= budget]
-            fit_ks[(f"{b.mesh} gather={mode}", nodes)] = ks
-            if b.k in ks:
-                cand = dataclasses.replace(b, gather=mode)
-                rows.append(
-                    {"candidate": cand, "fits": True, "summary": predict(c, nodes=nodes, **kw)}
-                )
+        rows += variant(min(once_rows, key=rec.sort_key)["candidate"], "gather", gathers)
         best = rec.recommend(rows, nodes)
     own = predict(cfg, nodes=nodes, **kw)
     shapes = {r["candidate"]: r["summary"]["mesh_shape"] for r in rows}
