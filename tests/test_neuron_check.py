@@ -37,6 +37,8 @@ def test_cpu_table_every_row_passes_exit_0(tmp_path):
     assert rows["psum-procs"]["status"] == "skip"  # one process
     assert "CPU stand-in" in rows["neuron-flash"]["detail"]
     assert "mesh data 2" in rows["reduce-once"]["detail"]  # the shard_map path, not a no-op
+    gather = rows["gather-once"]  # both programs ran: the gathered-once step and the other
+    assert gather["status"] == "pass" and "(gather once_unsharded) vs" in gather["detail"]
     assert "psum over 8 devices = 28 (exact 28)" in rows["psum"]["detail"]
     assert "127.0.0.1:41000 -> 127.0.0.1:41000" in rows["root"]["detail"]  # one process
     kernel_pair = rows["kernel-pair"]
@@ -102,12 +104,3 @@ def test_lnc_row_reads_the_documented_long_spelling(monkeypatch, capsys):
     assert code == 1
     lnc = next(line for line in out.splitlines() if "  lnc  " in line)
     assert lnc.startswith("FAIL") and "--logical-nc-config=1" in lnc
-
-
-def test_gather_once_row_runs_both_programs_and_passes(monkeypatch, capsys):
-    """The row a user runs before trainer.gather on hardware: the gathered-once train step
-    equal to the per-minibatch one (loss and gradient norm), on the data=2 shard_map path."""
-    code, out = _run_rows(monkeypatch, capsys, {"gather-once"})
-    line = next(ln for ln in out.splitlines() if "gather-once" in ln)
-    assert code == 0 and line.split()[0] == "pass", out
-    assert "(gather once_unsharded) vs" in line and "(per_minibatch)" in line, line
