@@ -182,11 +182,29 @@ def test_requeue_restarts_every_rank(cluster, tmp_path):
     assert "requeueing" not in log  # Slurm requeued it, not the script
 
 
+def _job_processes(job: str) -> list[int]:
+    """Pids on this host whose environment has SLURM_JOB_ID=`job` (its batch script, steps)."""
+    mark = f"SLURM_JOB_ID={job}\0".encode()
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if mark in f.read():
+                    pids.append(int(pid))
+        except OSError:
+            continue
+    return pids
+
+
 def test_time_limit_signal_makes_the_script_requeue(cluster, tmp_path):
     job, run = _submit_waiting_job(cluster, tmp_path)
     # --signal=TERM@120 signals the job steps only; scancel --signal does the same now.
     cluster.run("scancel", "--signal=TERM", job)
     cluster.wait_state(job, ["PENDING"], 60)
+    # The script requeues itself and then exits: the job is PENDING before its batch script
+    # is gone, and a start in that window can fail on the one-node cluster (seen in one CI
+    # run and one earlier run of this test).
+    wait_for(lambda: not _job_processes(job), 60, "the first start's batch script to exit")
     cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")
     cluster.wait_state(job, ["COMPLETED"], 60)
     assert "saved on the time-limit signal: requeueing" in _batch_log(tmp_path, job)
