@@ -146,7 +146,8 @@ def test_auto_on_cpu_small_budget_search_dry_run_and_train(tmp_path, monkeypatch
     import json
 
     from trn_accum import cli
-    from trn_accum.train import dryrun, loop, step
+    from trn_accum.plan import dryrun
+    from trn_accum.train import loop, step
 
     over = ["data.global_batch=64", "trainer.accum_steps=auto"]
     cfg = load_config(TINY, over)
@@ -186,7 +187,8 @@ def test_auto_on_cpu_small_budget_search_dry_run_and_train(tmp_path, monkeypatch
 
 
 def test_no_candidate_fits_is_one_line_user_error(monkeypatch):
-    from trn_accum.train import dryrun, loop
+    from trn_accum.plan import dryrun
+    from trn_accum.train import loop
 
     monkeypatch.setattr(autok, "_compile_step_bytes", lambda cfg, mesh, rows: (10**9, 0.1))
     over = ["trainer.accum_steps=auto", "trainer.memory_budget_gib=0.5"]

@@ -17,7 +17,7 @@ from trn_accum.analysis import hlo, memory
 from trn_accum.core.sharding import resolve_axes
 from trn_accum.model import fuji
 from trn_accum.neuron import preflight as neuron
-from trn_accum.train import dryrun
+from trn_accum.plan import dryrun
 from trn_accum.train.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,7 +64,7 @@ def test_reduced_depth_3b_dry_run_on_64_devices(mesh_sets, all_nodes):
         assert set(st["config"]["summary"]["by_link"]) == {"chip", "node", "efa"}
         assert st["config"]["summary"]["by_link"]["efa"]["wire_bytes"] > 0  # across nodes
         from trn_accum.analysis import recommend as rec
-        from trn_accum.train.perfmodel import SCALE_NODES
+        from trn_accum.plan.perfmodel import SCALE_NODES
 
         assert st["recommendation"]["candidate"] in [c["candidate"] for c in st["candidates"]]
         assert {c["candidate"]["mesh"] for c in st["candidates"]} == {"hybrid-m2"}
@@ -217,7 +217,7 @@ def test_fit_by_accum_steps_for_one_node_and_the_config_node_count():
 def test_step_time_model_that_cannot_price_the_config_is_one_report_line(monkeypatch):
     """A config the trn2 candidate meshes do not divide (the tiny one): the dry-run's own
     results stand, and the step-time model is one line saying why it is missing."""
-    from trn_accum.train import perfmodel
+    from trn_accum.plan import perfmodel
 
     def cannot(*args, **kwargs):
         raise perfmodel.StepTimeError("the step-time model could not price this config: nope")

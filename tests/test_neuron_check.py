@@ -11,7 +11,7 @@ import pytest
 
 from trn_accum import cli
 from trn_accum.neuron import kernels
-from trn_accum.train import neuron_check
+from trn_accum.plan import neuron_check
 
 ROOT = Path(__file__).resolve().parents[1]
 F3B = str(ROOT / "configs" / "fuji-3b-trn2.toml")

@@ -196,7 +196,7 @@ def test_tiny_train_step_once_reduces_over_nodes_once():
     node's half across nodes (2 x 1/2 x S/2 on EFA), not a 4-device ring on EFA (2 x 3/4 x S)."""
     from trn_accum.analysis.memory import tree_shard_bytes
     from trn_accum.model import fuji
-    from trn_accum.train import perfmodel
+    from trn_accum.plan import perfmodel
     from trn_accum.train.config import load_config
 
     cfg = load_config("configs/fuji-tiny.toml", ["trainer.accum_steps=2"])
@@ -230,7 +230,7 @@ def test_explore_tiny_candidates_and_recommendation(monkeypatch):
     k up to k_limit, "once" dropped where there is no data axis, the recommendation at the
     config's node count with its per-node mesh shape, the weak-scaling table, and the dry-run
     lines naming them."""
-    from trn_accum.train import perfmodel
+    from trn_accum.plan import perfmodel
     from trn_accum.train.config import load_config
 
     budget = 2 * 2**30  # the tiny config's trainer.memory_budget_gib
@@ -322,7 +322,7 @@ def test_loss_chunk_loop_trips_do_not_depend_on_the_node_count():
     "nodes" of 4 devices with the same per-device batch (weak scaling), so one compile prices
     any node count; the chunk loop is there: 64 tokens per device row / 16 = 4 trips x
     rows."""
-    from trn_accum.train import perfmodel
+    from trn_accum.plan import perfmodel
     from trn_accum.train.config import load_config
 
     layout = steptime.Layout(devices_per_node=4, devices_per_chip=2)

@@ -156,7 +156,7 @@ def _cmd_dry_run(args) -> int:
         # A backend with another device count runs in this process: start a fresh one (it sets
         # the device count in XLA_FLAGS before its backend starts).
         return subprocess.call([sys.executable, "-m", "trn_accum.cli", *args.argv])
-    from trn_accum.train import dryrun
+    from trn_accum.plan import dryrun
 
     report = dryrun.run(
         args.config,
@@ -177,7 +177,7 @@ def _cmd_neuron_check(args) -> int:
     if not platform.neuron_available() and not _dry_run_env_ready(NEURON_CHECK_CPU_DEVICES):
         return subprocess.call([sys.executable, "-m", "trn_accum.cli", *args.argv])
     from trn_accum.cluster import distributed
-    from trn_accum.train import neuron_check
+    from trn_accum.plan import neuron_check
 
     distributed.initialize()  # multi-process jobs: the cross-process psum row
     report = neuron_check.run(args.config, overrides=args.overrides, run_dir=args.run_dir)

@@ -7,7 +7,7 @@ grid (`candidate_grid`) takes, per (mesh, nodes), the k that fit the memory budg
 analytic `trn_accum.analysis.memory.fit_by_steps`, smallest first; at most `k_limit` of them:
 compute is the same for every k and a larger k only adds per-minibatch parameter traffic) and
 both reduce modes. Nothing is compiled here: each candidate's `steptime.summarize` output comes
-from the caller (`trn_accum.train.perfmodel` compiles them).
+from the caller (`trn_accum.plan.perfmodel` compiles them).
 
 `recommend` picks, among the candidates that fit at the chosen node count, the lowest
 no-overlap step time (ties: full overlap), then trades up to `HEADROOM_BAND` of that time for

@@ -18,7 +18,7 @@ summaries extrapolated per layer (`steptime.extrapolate_summary`, the line of
 (`trn_accum.analysis.memory.fit_by_steps`, state sharded on the full mesh).
 
 `run_in_subprocess` runs `explore` in a fresh process with enough emulated devices
-(`python -m trn_accum.train.perfmodel`, JSON on stdout): the dry-run's own process has the
+(`python -m trn_accum.plan.perfmodel`, JSON on stdout): the dry-run's own process has the
 devices of one node only.
 """
 
@@ -338,7 +338,7 @@ def run_in_subprocess(config_path: str, overrides: Sequence[str], nodes: int,
         f"{flags} --xla_force_host_platform_device_count={n} "
         "--xla_cpu_enable_concurrency_optimized_scheduler=false"
     ).strip()
-    cmd = [sys.executable, "-m", "trn_accum.train.perfmodel", "--config", config_path,
+    cmd = [sys.executable, "-m", "trn_accum.plan.perfmodel", "--config", config_path,
            "--nodes", str(nodes)] + [
         a for o in overrides for a in ("--set", o)]  # fmt: skip
     if meshes:
@@ -408,7 +408,7 @@ def format_lines(st: dict[str, Any]) -> list[str]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m trn_accum.train.perfmodel")
+    p = argparse.ArgumentParser(prog="python -m trn_accum.plan.perfmodel")
     p.add_argument("--config", required=True)
     p.add_argument("--set", dest="overrides", action="append", default=[])
     p.add_argument("--nodes", type=int, default=None)

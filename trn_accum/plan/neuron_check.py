@@ -20,7 +20,7 @@ its reference (the same program another way, on the same devices, or exact arith
                   CPU stand-ins, marked so)
     kernel-pair   the NKI kernels at the job's per-device shape and LNC, an odd B x KV at LNC=2
                   included when the heads give one (trn2 only: off Neuron it is skipped and
-                  names the shapes it would run; trn_accum/train/node_rows.py)
+                  names the shapes it would run; trn_accum/plan/node_rows.py)
     remat         a remat'ed bf16 layer equal to the plain one (the preflight warns that remat can
                   emit reduce-precision, which Neuron lists unsupported: this row proves it runs)
     checkpoint    a save and restore on the run directory's filesystem, bit-exact
@@ -55,10 +55,10 @@ from trn_accum.errors import EXIT_FAILED, EXIT_OK
 from trn_accum.model import attention as attn_lib
 from trn_accum.model import fuji
 from trn_accum.neuron import kernels, platform
-from trn_accum.train import node_rows
+from trn_accum.plan import node_rows
+from trn_accum.plan.node_rows import FAIL, PASS, RTOL, RTOL_BF16, SKIP, compare_attention, max_rel
 from trn_accum.train.checkpoint import Checkpointer
 from trn_accum.train.config import Config, load_config
-from trn_accum.train.node_rows import FAIL, PASS, RTOL, RTOL_BF16, SKIP, compare_attention, max_rel
 
 
 @dataclasses.dataclass

@@ -52,7 +52,8 @@ from trn_accum.errors import UserError, one_line
 from trn_accum.model import fuji
 from trn_accum.neuron import kernels, platform, preflight
 from trn_accum.neuron.platform import DEVICE_BUDGET_GIB
-from trn_accum.train import autok, perfmodel, step
+from trn_accum.plan import perfmodel
+from trn_accum.train import autok, step
 from trn_accum.train.config import load_config
 
 
@@ -100,7 +101,7 @@ def run(
     step_time_meshes: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """Lower and compile the train step; returns the report (see the module docstring).
-    `step_time`: add the trn2 step-time model (`trn_accum.train.perfmodel`, own process),
+    `step_time`: add the trn2 step-time model (`trn_accum.plan.perfmodel`, own process),
     its candidates on `step_time_meshes` (names of `recommend.MESHES`; None = all)."""
     t_start = time.perf_counter()
     cfg = load_config(config_path, overrides)
