@@ -299,7 +299,7 @@ def render_eks(nodes: int, image: str, config: str = DEFAULT_CONFIG, **options: 
       e.g. FSx for Lustre, ReadWriteMany, mounted at /checkpoints on every pod: checkpoints,
       metrics and compile caches), run_dir (default /checkpoints/<name>; a re-applied Job
       resumes from its newest checkpoint), train_args (extra `trn-accum train` arguments, e.g.
-      ("--set", "trainer.accum_steps=32")), max_restarts (whole-job restarts after crashes:
+      ("--set", "trainer.accum_steps=8")), max_restarts (whole-job restarts after crashes:
       backoffLimit = nodes x max_restarts), scheduler_name (e.g. the Neuron scheduler
       extension's, if installed as a separate scheduler), shm_size, grace_seconds, workdir,
       neuron_check (every pod runs `trn-accum neuron-check` before training; a failing row

@@ -337,7 +337,8 @@ def format_report(r: Mapping[str, Any], *, as_json: bool = False) -> str:
         f"devices {r['devices']} per node (emulated on CPU), nodes {r['nodes']}; mesh per node "
         f"{r['mesh_per_node']}, all nodes {r['mesh_all_nodes']}",
         f"batch {r['global_batch']} x {r['seq_len']}: {r['rows_per_node']} rows per node, "
-        f"{r['accum_steps']} minibatches ({r['accum_loop']}), "
+        f"{r['accum_steps']} minibatch{'' if r['accum_steps'] == 1 else 'es'} "
+        f"({r['accum_loop']}), "
         f"{r['rows_per_device_group_per_minibatch']} rows per device group per minibatch",
         *(r["autotune"]["text"].splitlines() if r.get("autotune") else []),
         f"model: {r['layers']} layers ({r['layer_loop']}), attention {r['attention']}, "
