@@ -21,10 +21,13 @@ from pathlib import Path
 import pytest
 
 from trn_accum.analysis import memory
+from trn_accum.model import fuji
 from trn_accum.plan import dryrun
+from trn_accum.train import step as step_lib
 from trn_accum.train.config import load_config
 
-F3B = str(Path(__file__).resolve().parents[1] / "configs" / "fuji-3b-trn2.toml")
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+F3B, TINY = str(CONFIGS / "fuji-3b-trn2.toml"), str(CONFIGS / "fuji-tiny.toml")
 BASE = [
     'model.compute_dtype="float32"',
     'model.layer_loop="scan"',
@@ -77,3 +80,48 @@ def test_the_analytic_total_is_a_lower_bound_of_the_compiled_footprint():
         fit = r["fit"]
         ratio = fit["compiled_total_bytes"] / fit["analytic_total_bytes"]
         assert 1.0 <= ratio <= 1.5, (k, ratio)
+
+
+def test_gather_options_enter_the_fit_with_their_gathered_weights(monkeypatch):
+    """The search's third stage (`perfmodel._variant_rows`) admits a gather option only where
+    its analytic bytes, the candidate's plus `gather_once_bytes` of that mode, fit the budget:
+    with the budget between "once" and "once_unsharded" at k=2, only "once" is priced."""
+    from trn_accum.analysis import recommend as rec
+    from trn_accum.analysis import steptime
+    from trn_accum.core.sharding import resolve_axes
+    from trn_accum.plan import perfmodel
+
+    cfg = load_config(TINY, ["trainer.accum_steps=2", 'trainer.reduce="once"'])
+    meshes = {"hybrid": {"data": -1, "fsdp": 2, "model": 1}}
+    layout = steptime.Layout(devices_per_node=4, devices_per_chip=2)
+    target = resolve_axes(meshes["hybrid"], 4 * 2)
+
+    def k2_bytes(gather: str) -> int:
+        c = perfmodel._with(cfg, mesh=meshes["hybrid"], gather=gather)
+        table = perfmodel.fitting_k(c, meshes["hybrid"], 2, layout)["table"]
+        return next(r["bytes"] for r in table if r["k"] == 2)
+
+    base, once, unsharded = (k2_bytes(g) for g in ("per_minibatch", "once", "once_unsharded"))
+    for mode, got in (("once", once), ("once_unsharded", unsharded)):
+        c = perfmodel._with(cfg, mesh=meshes["hybrid"], gather=mode)
+        tx, _ = step_lib.make_optimizer(c)
+        abstract = step_lib.abstract_state(c, tx)
+        specs = fuji.param_specs(c.model, c.mesh.rules, target)
+        extra = memory.gather_once_bytes(
+            abstract["params"], specs, target, step_lib.FSDP_AXES, c.model.compute_dtype, mode
+        )
+        assert got - base == extra > 0, mode
+    assert base < once < unsharded
+
+    priced = []
+    monkeypatch.setattr(perfmodel, "predict", lambda c, **kw: priced.append(c) or {"c": c})
+    fit_ks: dict = {}
+    b = rec.Candidate(mesh="hybrid", nodes=2, k=2, reduce="once")
+    rows = perfmodel._variant_rows(
+        cfg, b, "gather", ("once", "once_unsharded"), meshes=meshes, nodes=2, layout=layout,
+        budget=(once + unsharded) // 2, fit_ks=fit_ks, kw={"layout": layout},
+    )  # fmt: skip
+    assert [r["candidate"].gather for r in rows] == ["once"]
+    assert [c.trainer.gather for c in priced] == ["once"]
+    assert 2 in fit_ks[("hybrid gather=once", 2)]
+    assert 2 not in fit_ks[("hybrid gather=once_unsharded", 2)]
