@@ -25,7 +25,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from multiprocess import REPO, TINY_SETS, TINY_STEPS, cpu_env, tiny_reference_losses, train_losses
+from multiprocess import (
+    REPO,
+    TINY_SETS,
+    TINY_STEPS,
+    assert_losses_of_one_process,
+    cpu_env,
+    tiny_reference_losses,
+    train_losses,
+)
 from slurm_cluster import running_cluster
 
 SBATCH = REPO / "launch" / "slurm" / "fuji-3b-trn2.sbatch"
@@ -264,7 +272,7 @@ def test_sbatch_trains_with_the_losses_of_one_process(cluster, uninterrupted, re
     logs = [run / "logs" / f"{job}-r0-{rank}.log" for rank in (0, 1)]
     assert all(p.exists() for p in logs)  # one log per rank
     assert f"done: step {STEPS}" in logs[0].read_text()
-    assert_same_losses(train_losses(run), reference_losses)
+    assert_losses_of_one_process(train_losses(run), reference_losses)
 
 
 @pytest.mark.slow  # two starts of a 2-rank training job
@@ -292,8 +300,8 @@ def test_sbatch_preempted_run_resumes_to_the_same_final_loss(
     job0, tmp0 = uninterrupted
     whole = train_losses(tmp0 / "run")
     assert got[STEPS] == pytest.approx(whole[STEPS], rel=1e-6)  # the same final loss
-    assert_same_losses(got, whole)
-    assert_same_losses(got, reference_losses)
+    assert_same_losses(got, whole)  # the same 2 ranks x 4 devices: to float32 rounding
+    assert_losses_of_one_process(got, reference_losses)
 
 
 # ----------------------------------------------------------------------------- static checks
