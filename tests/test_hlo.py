@@ -179,6 +179,23 @@ def test_three_axis_mesh_groups(partitioner):
     np.testing.assert_allclose(jax.jit(g)(x), [0 + 1 + 4 + 5, 2 + 3 + 6 + 7])
 
 
+def test_unoptimised_hlo_parses():
+    """`lowered.as_text(dialect="hlo")` prints computation headers without a signature
+    (`region_0.1 {`): the collectives JAX wrote, before XLA's passes (a bf16 psum stays bf16)."""
+    mesh = _mesh((2, 4), ("data", "fsdp"))
+
+    def f(x):
+        return jax.lax.psum(x.astype(jnp.bfloat16), "data").astype(jnp.float32)
+
+    g = jax.shard_map(f, mesh=mesh, in_specs=P(("data", "fsdp")), out_specs=P("fsdp"))
+    text = jax.jit(g).lower(jnp.ones((8, 3))).as_text(dialect="hlo")
+    module = hlo.parse_hlo(text)
+    assert module.entry is not None and len(module.computations) >= 2
+    (c,) = coll.collectives(module)
+    assert c.kind == "all-reduce" and c.instruction.dtypes == {"bf16"}
+    assert coll.group_axes(c.replica_groups, mesh.shape) == ("data",)
+
+
 def test_collective_kinds_and_bytes():
     mesh = _mesh((8,), ("data",))
 

@@ -24,6 +24,7 @@ __all__ = [
     "MAIN_COLLECTIVES",
     "Collective",
     "collectives",
+    "converted_from_narrow",
     "count_collectives",
     "group_axes",
     "parse_replica_groups",
@@ -78,7 +79,7 @@ class Collective:
 _PROMOTED = ("bf16", "f16")
 
 
-def _converted_from_narrow(module: HloModule, ins: Instruction) -> bool:
+def converted_from_narrow(module: HloModule, ins: Instruction) -> bool:
     """True when `ins` is a convert of a bfloat16 / float16 value, or a fusion whose root is
     one (through bitcasts / reshapes / copies / transposes): the value is exactly
     representable in 2 bytes and the widening is the backend's."""
@@ -86,12 +87,12 @@ def _converted_from_narrow(module: HloModule, ins: Instruction) -> bool:
         for name in ins.called_computations:
             comp = module.computations.get(name)
             root = comp.root if comp is not None else None
-            if root is not None and _converted_from_narrow(module, root):
+            if root is not None and converted_from_narrow(module, root):
                 return True
         return False
     ops = module.operand_instructions(ins)
     if ins.opcode in _LAYOUT_ONLY and len(ops) == 1:
-        return _converted_from_narrow(module, ops[0])
+        return converted_from_narrow(module, ops[0])
     if ins.opcode != "convert":
         return False
     return bool(ops) and bool(ops[0].shapes) and ops[0].dtypes <= set(_PROMOTED)
@@ -123,10 +124,10 @@ def native_bytes(module: HloModule, ins: Instruction, nbytes: int) -> int:
     arrays = [a for a in ins.shapes if a.dims or not ins.is_tuple]
     if ins.is_tuple and len(ops) == len(arrays):  # a combined collective: operand by operand
         return sum(
-            a.nbytes // 2 if a.dtype == "f32" and _converted_from_narrow(module, o) else a.nbytes
+            a.nbytes // 2 if a.dtype == "f32" and converted_from_narrow(module, o) else a.nbytes
             for a, o in zip(arrays, ops, strict=True)
         )
-    if len(ins.dtypes) == 1 and ops and all(_converted_from_narrow(module, o) for o in ops):
+    if len(ins.dtypes) == 1 and ops and all(converted_from_narrow(module, o) for o in ops):
         return nbytes // 2
     return nbytes
 

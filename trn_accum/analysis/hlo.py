@@ -327,13 +327,15 @@ def dot_flops(module: HloModule) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- parsing
 
-_COMP_HEADER = re.compile(r"^(ENTRY\s+)?%?([^\s(]+)\s*\(.*->.*\{\s*$")
+# `name (params) -> type {` (compiled); `name {` (unoptimised, `lowered.as_text(dialect="hlo")`)
+_COMP_HEADER = re.compile(r"^(ENTRY\s+)?%?([^\s(]+)\s*(?:\(.*->.*)?\{\s*$")
 _INSTR = re.compile(r"^\s*(ROOT\s+)?%?([^\s=]+)\s*=\s*(.*)$")
 _OPCODE = re.compile(r"^\s*([A-Za-z][\w\-]*)\(")
 
 
 def parse_hlo(text: str) -> HloModule:
-    """Parse HLO text (as printed by `compiled.as_text()`) into an HloModule."""
+    """Parse HLO text (as printed by `compiled.as_text()`, or unoptimised by
+    `lowered.as_text(dialect="hlo")`) into an HloModule."""
     name = ""
     header: dict[str, str] = {}
     comps: list[Computation] = []

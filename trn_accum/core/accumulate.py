@@ -43,24 +43,15 @@ from trn_accum.core import reduce_once as once
 from trn_accum.core import sharding as shd
 from trn_accum.core import state as st
 from trn_accum.core.accumulator import Accumulator, all_finite, minibatch_weight
-from trn_accum.core.reductions import (
-    AUX_REDUCTIONS,
-    AuxReductionWarning,
-    check_aux_reduction,
-)
+from trn_accum.core.reductions import AUX_REDUCTIONS, AuxReductionWarning, check_aux_reduction
 
-__all__ = [
-    "AUX_REDUCTIONS",
-    "GATHERS",
-    "LOOPS",
-    "REDUCES",
-    "AuxReductionWarning",
-    "accumulate_gradients",
-]
+__all__ = ["AUX_REDUCTIONS", "GATHERS", "LOOPS", "REDUCES", "REDUCE_DTYPES", "AuxReductionWarning",
+           "accumulate_gradients"]  # fmt: skip
 
 GATHERS = gather_once.GATHERS
 LOOPS = ("scan", "unroll")
 REDUCES = ("per_minibatch", "once")
+REDUCE_DTYPES = ("float32", "bfloat16")  # reduce="once"'s cross-replica gradient reduction
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +71,7 @@ class _Options:
     skip_nonfinite: bool
     state_argnum: int | None
     gather: tuple  # (mode, dtype): `gather_once`
+    reduce_dtype: Any  # None (float32) or bfloat16: `reduce_once.psum_grads_narrow`
 
 
 def accumulate_gradients(
@@ -100,6 +92,7 @@ def accumulate_gradients(
     state_argnum: int | None = None,
     gather: str = "per_minibatch",
     gather_dtype: Any = None,
+    reduce_dtype: str = "float32",
 ) -> Callable:
     """Wrap `loss_fn(params, batch, *args)` into `grad_fn(params, batch, *args)` that returns
     `(loss, grads)` (or `((loss, aux), grads)` with `has_aux`) as `jax.value_and_grad` does on
@@ -149,6 +142,10 @@ def accumulate_gradients(
         grad_fn returns `((loss, (aux, final_state)), grads)`. Needs has_aux, per_minibatch.
       gather, gather_dtype: under reduce="once", FSDP weights gathered per minibatch (default),
         "once" or "once_unsharded" per step, travelling in gather_dtype (`gather_once`).
+      reduce_dtype: under reduce="once", the dtype the accumulated gradients cross replicas in:
+        "float32" (default) or "bfloat16" (each device's float32 sum cast down before the one
+        psum after the loop, and gather="once_unsharded"'s reduce-scatter, and back after): it
+        halves the bytes that reduction moves, at bf16 rounding (2^-9). Accumulation: float32.
 
     Returns:
       grad_fn(params, batch, *args); shapes are checked at trace time (ValueErrors name the
@@ -156,13 +153,14 @@ def accumulate_gradients(
       input signature; extra arguments must be arrays); inside a caller's trace, inline.
     """
     steps = shd.validate_steps(steps)
-    choices = (("loop", loop, LOOPS), ("reduce", reduce, REDUCES), ("gather", gather, GATHERS))
+    choices = (("loop", loop, LOOPS), ("reduce", reduce, REDUCES), ("gather", gather, GATHERS),
+               ("reduce_dtype", reduce_dtype, REDUCE_DTYPES))  # fmt: skip
     for name, value, allowed in choices:
         if value not in allowed:
             raise ValueError(f"{name}={value!r} must be one of {allowed}")
     gather_once.check_reduce(gather, reduce)
-    if reduce == "once":
-        once.check_weight_fn(weight_fn)
+    once.check_reduce_dtype(reduce_dtype, reduce)
+    once.check_weight_fn(weight_fn, reduce)
     argnums = rng.check_rng_argnum(rng_argnum)
     state_argnum = st.check_state_argnum(state_argnum, argnums, has_aux, reduce)
     shd.check_batch_spec_has_mesh(batch_spec, mesh)
@@ -180,7 +178,8 @@ def accumulate_gradients(
     # fmt: off
     opts = _Options(loss_fn, steps, mesh, batch_spec, param_specs, weight_fn, aux_reduction,
                     bool(has_aux), argnums, dtype, loop, reduce, bool(skip_nonfinite),
-                    state_argnum, (gather, gather_dtype and jnp.dtype(gather_dtype)))
+                    state_argnum, (gather, gather_dtype and jnp.dtype(gather_dtype)),
+                    None if reduce_dtype == "float32" else jnp.dtype(reduce_dtype))
     # fmt: on
 
     @jax.jit
@@ -216,7 +215,8 @@ def _accumulate(opts: _Options, params: Any, batch: Any, args: tuple) -> Any:
         out = _loop(opts, acc, params, batch, args, specs, vary, gathers, shards)
         carry, stacked_aux, loss_dtype, state = out
         if vary:  # reduce="once": the one reduction, after the loop
-            carry = once.psum_carry(carry, acc.reductions, vary, gathers, opts.gather[0])
+            carry = once.psum_carry(carry, acc.reductions, vary, gathers, opts.gather[0],
+                                    opts.reduce_dtype, grad_shardings)  # fmt: skip
         calls = k * int(np.prod([mesh.shape[a] for a in vary])) if opts.skip_nonfinite else None
         return acc.finish(carry, stacked_aux, loss_dtype, mesh, example_spec, calls), state
 

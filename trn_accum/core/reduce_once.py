@@ -6,6 +6,11 @@
         carry = psum(carry, manual)                            # the one reduction, after the loop
         divide as per_minibatch does
 
+With `reduce_dtype` (bfloat16) the gradients of that one psum (and gather="once_unsharded"'s
+reduce-scatter) travel in it: each device's float32 sum is cast down before the collective and
+the result cast back to float32 (half the bytes, bf16 rounding of the partial sums and of
+their total); the loss, the weights, aux and the accumulation itself stay float32.
+
 Numbers: with weights w_ij = weight_fn(device j's rows of minibatch i) and L_ij the loss of
 those rows, "once" gives Σ_ij w_ij·L_ij / Σ_ij w_ij. That equals "per_minibatch"'s
 Σ_i w_i·L_i / Σ_i w_i whenever the latter is the full batch's value: `weight_fn` additive over
@@ -30,16 +35,30 @@ from trn_accum.core import gather_once
 from trn_accum.core import sharding as shd
 from trn_accum.core.accumulator import Carry
 
-__all__ = ["check_weight_fn", "manual_axes_for", "psum_carry", "run_manual"]
+__all__ = [
+    "check_reduce_dtype", "check_weight_fn", "manual_axes_for", "psum_carry", "psum_grads",
+    "psum_grads_narrow", "run_manual",
+]  # fmt: skip
 
 
-def check_weight_fn(weight_fn: Callable | None) -> None:
+def check_weight_fn(weight_fn: Callable | None, reduce: str = "once") -> None:
     """ValueError unless reduce="once" has an explicit weight_fn (see the module docstring)."""
-    if weight_fn is None:
+    if weight_fn is None and reduce == "once":
         raise ValueError(
             'reduce="once" needs an explicit weight_fn, additive over rows, so that it gives '
             "the numbers of per_minibatch: e.g. weight_fn=lambda mb: mb['mask'].sum() for a "
             "masked mean, or lambda mb: mb['x'].shape[0] for a plain mean over rows"
+        )
+
+
+def check_reduce_dtype(reduce_dtype: str, reduce: str) -> None:
+    """ValueError for a narrow reduce_dtype without reduce="once" (per_minibatch's reductions
+    are XLA's, inside every minibatch: there is no one reduction to narrow)."""
+    if reduce_dtype != "float32" and reduce != "once":
+        raise ValueError(
+            f'reduce_dtype={reduce_dtype!r} needs reduce="once" (it narrows the one '
+            'cross-replica reduction after the loop): pass reduce="once" or '
+            'reduce_dtype="float32"'
         )
 
 
@@ -102,13 +121,54 @@ def psum_grads(grads: Any, axes: tuple[str, ...], gathers=None, scatter: bool = 
     return jax.tree.unflatten(treedef, out)
 
 
+def psum_grads_narrow(
+    grads: Any, axes: tuple[str, ...], dtype: Any, grad_shardings=None, gathers=None,
+    scatter: bool = False,
+) -> Any:  # fmt: skip
+    """`psum_grads` with every leaf cast to `dtype` before its collectives and back to its own
+    dtype after them. The collectives run in a `shard_map` manual over the mesh's other
+    (automatic) axes too, each leaf split as its `grad_shardings` spec says there (a gathered
+    dimension whole): inside a partially manual region JAX writes a sharding constraint into a
+    collective's reducer, on which XLA:CPU's `all-reduce-promotion` (it widens bf16 reductions
+    to float32) aborts ("Invalid binary instruction opcode copy"); fully manual, it writes none.
+    """
+
+    def reduce(tree):
+        narrow = psum_grads(jax.tree.map(lambda x: x.astype(dtype), tree), axes, gathers, scatter)
+        return jax.tree.map(lambda y, x: y.astype(x.dtype), narrow, tree)
+
+    manual = shd.manual_axes()
+    auto = {a for a in jax.sharding.get_abstract_mesh().axis_names if a not in manual}
+    if not auto:
+        return reduce(grads)
+    leaves, treedef = jax.tree.flatten(grads)
+    specs = []
+    for i, x in enumerate(leaves):
+        ms = grad_shardings[i] if grad_shardings is not None else None
+        entries = list(shd.drop_axes(None if ms is None else ms[1], manual))
+        for d, _ in gathers[i] if gathers is not None else ():
+            entries[d] = None  # scattered over manual axes inside: auto axes kept off it
+        specs.append(P(*entries[: jnp.ndim(x)]))
+    tree_specs = jax.tree.unflatten(treedef, specs)
+    return jax.shard_map(reduce, in_specs=(tree_specs,), out_specs=tree_specs, axis_names=auto)(
+        grads
+    )
+
+
 def psum_carry(
-    carry: Carry, reductions: list[str], axes: tuple[str, ...], gathers=None, gather: str = ""
+    carry: Carry,
+    reductions: list[str],
+    axes: tuple[str, ...],
+    gathers=None,
+    gather: str = "",
+    dtype: Any = None,
+    grad_shardings=None,
 ) -> Carry:
     """The one reduction after the loop: sums (and the dropped count) psum'd, "max"/"min" aux
     pmax/pmin'd over `axes` ("concat" aux is per device already: the shard_map's out_specs
     stitch it; a "weighted" carry is a pair of sums); gradients by `psum_grads` (`gather`: the
-    gather mode, "once_unsharded" reduce-scatters the full-size gradients here)."""
+    gather mode, "once_unsharded" reduce-scatters the full-size gradients here); with `dtype`
+    (bfloat16; None = float32) by `psum_grads_narrow` in it (`grad_shardings`: their specs)."""
 
     def reduce(red: str, x):
         if red == "max":
@@ -117,12 +177,16 @@ def psum_carry(
             return jax.lax.pmin(x, axes)
         return x if red == "concat" else jax.lax.psum(x, axes)
 
-    if gathers is None:  # one all-reduce for the sums and the gradients
+    if gathers is None and dtype is None:  # one all-reduce for the sums and the gradients
         sums = (carry.loss, carry.weight, carry.grads, carry.dropped)
         loss, weight, grads, dropped = jax.lax.psum(sums, axes)
     else:
         loss, weight, dropped = jax.lax.psum((carry.loss, carry.weight, carry.dropped), axes)
-        grads = psum_grads(carry.grads, axes, gathers, scatter=gather == "once_unsharded")
+        scatter = gather == "once_unsharded"
+        if dtype is None:
+            grads = psum_grads(carry.grads, axes, gathers, scatter)
+        else:
+            grads = psum_grads_narrow(carry.grads, axes, dtype, grad_shardings, gathers, scatter)
     aux = [reduce(red, x) for red, x in zip(reductions, carry.aux, strict=True)]
     return Carry(loss, weight, grads, aux, dropped)
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from trn_accum.core.accumulate import LOOPS as ACCUM_LOOPS
+from trn_accum.core.accumulate import REDUCE_DTYPES
 from trn_accum.core.accumulate import REDUCES as GRAD_REDUCTIONS
 from trn_accum.core.gather_once import GATHERS
 from trn_accum.core.sharding import check_axis_sizes
@@ -99,6 +100,10 @@ class TrainerConfig:
     # trn_accum.core.gather_once): "once" reduce-scatters each minibatch's gradient,
     # "once_unsharded" accumulates it full-size and reduce-scatters once
     gather: str = field(default="per_minibatch", metadata=_choice(*GATHERS))
+    # the dtype of reduce "once"'s one cross-replica gradient reduction per step: "bfloat16"
+    # casts the float32 accumulated gradient down for the psum (and gather "once_unsharded"'s
+    # reduce-scatter) and back: half the bytes, bf16 rounding (needs reduce "once")
+    reduce_dtype: str = field(default="float32", metadata=_choice(*REDUCE_DTYPES))
     log_every: int = 10
     eval_every: int = 0  # 0 = never
     seed: int = 0  # parameter init and per-step RNG
@@ -276,6 +281,12 @@ def _check_config(cfg: Config) -> None:
             f'trainer.gather = {t.gather!r} needs trainer.reduce = "once" (the weights are '
             f"gathered before the minibatch loop it runs manual over the batch axes), got "
             f'{t.reduce!r}: set trainer.reduce = "once" or trainer.gather = "per_minibatch"'
+        )
+    if t.reduce_dtype != "float32" and t.reduce != "once":
+        raise ConfigError(
+            f'trainer.reduce_dtype = {t.reduce_dtype!r} needs trainer.reduce = "once" (it '
+            f"narrows the one cross-replica gradient reduction after the minibatch loop), got "
+            f'{t.reduce!r}: set trainer.reduce = "once" or trainer.reduce_dtype = "float32"'
         )
 
     for name in (

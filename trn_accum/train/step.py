@@ -234,6 +234,7 @@ def make_train_step(cfg: Config, mesh, tx, lr_fn, specs, state_shardings):
         reduce=cfg.trainer.reduce,
         gather=cfg.trainer.gather,  # the model casts every matrix to the compute dtype itself
         gather_dtype=cfg.model.compute_dtype,
+        reduce_dtype=cfg.trainer.reduce_dtype,  # the one cross-replica gradient reduction
         skip_nonfinite=cfg.trainer.skip_nonfinite,  # all dropped: a NaN step, skipped
     )
 
