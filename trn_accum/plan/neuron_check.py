@@ -110,9 +110,10 @@ class Check:
         data_cfg = dataclasses.replace(
             c.data, kind="synthetic", seq_len=seq, global_batch=shards * 4, path=""
         )
-        t = dataclasses.replace(
-            c.trainer, **{"accum_steps": 1, "reduce": "per_minibatch", **trainer}
-        )
+        # the options a row compares are reset (a row names the ones it tests), the rest kept
+        base = {"accum_steps": 1, "reduce": "per_minibatch", "gather": "per_minibatch",
+                "reduce_dtype": "float32"}  # fmt: skip
+        t = dataclasses.replace(c.trainer, **{**base, **trainer})
         return dataclasses.replace(c, model=m, mesh=mesh, data=data_cfg, trainer=t)
 
     def train_step(self, cfg: Config) -> dict:
@@ -219,10 +220,12 @@ def _close(a: float, b: float, rtol: float) -> bool:
     return abs(a - b) <= rtol * max(abs(a), abs(b), 1e-30)
 
 
-def _compare_steps(c: Check, name_a: str, a: Config, name_b: str, b: Config) -> tuple[str, str]:
+def _compare_steps(
+    c: Check, name_a: str, a: Config, name_b: str, b: Config, rtol: float = RTOL
+) -> tuple[str, str]:
     ma, mb = c.train_step(a), c.train_step(b)
     keys = ("loss", "grad_norm")
-    ok = all(_close(ma[k], mb[k], RTOL) for k in keys)
+    ok = all(_close(ma[k], mb[k], rtol) for k in keys)
     detail = "; ".join(f"{k} {ma[k]:.7g} ({name_a}) vs {mb[k]:.7g} ({name_b})" for k in keys)
     return (PASS if ok else FAIL), detail
 
@@ -233,11 +236,15 @@ def row_accumulate(c: Check) -> tuple[str, str]:
 
 def row_reduce_once(c: Check) -> tuple[str, str]:
     """On a mesh with data=2 (on one node the config's data axis is 1, where "once" has nothing
-    to reduce and runs the per_minibatch program): the shard_map path and its one psum."""
-    once = c.probe(data=2, accum_steps=4, reduce="once")
+    to reduce and runs the per_minibatch program): the shard_map path and its one psum, in the
+    config's trainer.reduce_dtype (bfloat16: compared at bf16 rounding)."""
+    dtype = c.cfg.trainer.reduce_dtype
+    once = c.probe(data=2, accum_steps=4, reduce="once", reduce_dtype=dtype)
     status, detail = _compare_steps(
-        c, "once", once, "per_minibatch", c.probe(data=2, accum_steps=4)
-    )
+        c, "once" if dtype == "float32" else f"once, {dtype}", once,
+        "per_minibatch", c.probe(data=2, accum_steps=4),
+        RTOL if dtype == "float32" else RTOL_BF16,
+    )  # fmt: skip
     return (
         status,
         f"{detail}; mesh data {once.mesh.data} x fsdp {once.mesh.fsdp} x model {once.mesh.model}",
