@@ -107,20 +107,19 @@ def test_lnc_row_reads_the_documented_long_spelling(monkeypatch, capsys):
 
 
 @pytest.mark.slow
-def test_train_step_rows_take_the_configs_reduce_dtype_and_reset_the_options_they_compare(
+def test_reduce_once_row_takes_the_configs_reduce_dtype_and_resets_what_it_compares(
     monkeypatch, capsys
 ):
     """With the config's trainer.reduce = "once", gather = "once_unsharded" and reduce_dtype =
-    "bfloat16": the reduce-once row runs "once" in bf16 (compared at bf16 rounding) against
-    per_minibatch, and the accumulate row, which compares k, runs plain per_minibatch programs
-    (options that per_minibatch refuses are reset in its probe, not an error)."""
+    "bfloat16": the reduce-once row runs "once" in bf16 (compared at bf16 rounding) against a
+    plain per_minibatch program (the options per_minibatch refuses, gather and reduce_dtype,
+    are reset in its probe, not an error)."""
     sets = ['trainer.reduce="once"', 'trainer.gather="once_unsharded"',
             'trainer.reduce_dtype="bfloat16"']  # fmt: skip
     argv = [a for s in sets for a in ("--set", s)]
-    code, out = _run_rows(monkeypatch, capsys, {"reduce-once", "accumulate"}, "--json", *argv)
+    code, out = _run_rows(monkeypatch, capsys, {"reduce-once"}, "--json", *argv)
     rows = {row["piece"]: row for row in json.loads(out)["rows"]}
     assert code == 0, out
     assert {r["status"] for r in rows.values()} == {"pass"}
     assert "(once, bfloat16) vs" in rows["reduce-once"]["detail"]
     assert "mesh data 2" in rows["reduce-once"]["detail"]
-    assert "(k=4) vs" in rows["accumulate"]["detail"]
