@@ -191,16 +191,21 @@ def test_requeue_restarts_every_rank(cluster, tmp_path):
 
 
 def _job_processes(job: str) -> list[int]:
-    """Pids on this host whose environment has SLURM_JOB_ID=`job` (its batch script, steps)."""
-    mark = f"SLURM_JOB_ID={job}\0".encode()
+    """Pids on this host of the job: its batch script and steps (SLURM_JOB_ID=`job` in their
+    environment) and the slurmstepd daemons that run them (`slurmstepd: [<job>.batch]`,
+    `[<job>.0]`: they tear the start down after the script has exited)."""
+    mark, stepd = f"SLURM_JOB_ID={job}\0".encode(), f"[{job}.".encode()
     pids = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/environ", "rb") as f:
-                if mark in f.read():
-                    pids.append(int(pid))
+                env = f.read()
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read()
         except OSError:
             continue
+        if mark in env or (cmd.startswith(b"slurmstepd") and stepd in cmd):
+            pids.append(int(pid))
     return pids
 
 
@@ -210,9 +215,9 @@ def test_time_limit_signal_makes_the_script_requeue(cluster, tmp_path):
     cluster.run("scancel", "--signal=TERM", job)
     cluster.wait_state(job, ["PENDING"], 60)
     # The script requeues itself and then exits: the job is PENDING before its batch script
-    # is gone, and a start in that window can fail on the one-node cluster (seen in one CI
-    # run and one earlier run of this test).
-    wait_for(lambda: not _job_processes(job), 60, "the first start's batch script to exit")
+    # and the slurmstepd running it are gone, and a start in that window can fail on the
+    # one-node cluster (seen in CI runs, also after waiting for the script alone).
+    wait_for(lambda: not _job_processes(job), 60, "the first start's batch step to end")
     cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")
     cluster.wait_state(job, ["COMPLETED"], 60)
     assert "saved on the time-limit signal: requeueing" in _batch_log(tmp_path, job)
