@@ -237,7 +237,19 @@ class SlurmCluster:
             if state in states:
                 return state
             time.sleep(0.2)
-        raise TimeoutError(f"job {job_id} still {state} after {timeout:.0f} s, wanted {states}")
+        raise TimeoutError(
+            f"job {job_id} still {state} after {timeout:.0f} s, wanted {states}\n"
+            + self.job_report(job_id)
+        )
+
+    def job_report(self, job_id: str | int) -> str:
+        """`scontrol show job` and the daemons' log lines that name the job (for a failure)."""
+        lines = [self.run("scontrol", "show", "job", str(job_id), check=False).stdout]
+        for name in ("slurmctld.log", "slurmd.log"):
+            log = self.root / name
+            text = log.read_text(errors="replace") if log.exists() else ""
+            lines += [f"--- {name}"] + [ln for ln in text.splitlines() if str(job_id) in ln][-40:]
+        return "\n".join(lines)
 
 
 def require_slurm() -> None:
