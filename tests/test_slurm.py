@@ -178,7 +178,7 @@ def test_requeue_restarts_every_rank(cluster, tmp_path):
     job, run = _submit_waiting_job(cluster, tmp_path)
     cluster.run("scontrol", "requeue", job)
     cluster.wait_state(job, ["PENDING"], 60)
-    cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")
+    _start_again_now(cluster, job)
     cluster.wait_state(job, ["COMPLETED"], 60)
     assert sorted((run / "starts").read_text().split("\n")[:-1]) == ["0 0", "0 1", "1 0", "1 1"]
     for rank in (0, 1):
@@ -209,16 +209,25 @@ def _job_processes(job: str) -> list[int]:
     return pids
 
 
+def _start_again_now(cluster, job: str) -> None:
+    """Start the requeued (PENDING) `job` again now, once its first start is gone: its batch
+    script, steps and slurmstepd, and the second in which slurmd revoked its credential (slurmd
+    refuses a launch whose credential is not newer than the revocation, in whole seconds:
+    `ctime <= revoked` in Slurm's src/common/slurm_cred.c; a start within that second fails)."""
+    wait_for(lambda: not _job_processes(job), 60, "the first start's processes to exit")
+    gone = int(time.time())
+    wait_for(lambda: time.time() >= gone + 2, 5, "the revocation's second to pass")
+    cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")
+
+
 def test_time_limit_signal_makes_the_script_requeue(cluster, tmp_path):
     job, run = _submit_waiting_job(cluster, tmp_path)
     # --signal=TERM@120 signals the job steps only; scancel --signal does the same now.
     cluster.run("scancel", "--signal=TERM", job)
     cluster.wait_state(job, ["PENDING"], 60)
-    # The script requeues itself and then exits: the job is PENDING before its batch script
-    # and the slurmstepd running it are gone, and a start in that window can fail on the
-    # one-node cluster (seen in CI runs, also after waiting for the script alone).
-    wait_for(lambda: not _job_processes(job), 60, "the first start's batch step to end")
-    cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")
+    # The script requeues itself and then exits: the job is PENDING before its first start is
+    # gone, and a start in that window failed in CI runs (`_start_again_now` waits it out).
+    _start_again_now(cluster, job)
     cluster.wait_state(job, ["COMPLETED"], 60)
     assert "saved on the time-limit signal: requeueing" in _batch_log(tmp_path, job)
     assert sorted((run / "starts").read_text().split("\n")[:-1]) == ["0 0", "0 1", "1 0", "1 1"]
@@ -290,7 +299,7 @@ def test_sbatch_preempted_run_resumes_to_the_same_final_loss(
     wait_for(lambda: metrics.exists() and metrics.read_text().strip(), 600, "a training step")
     cluster.run("scontrol", "requeue", job)  # preemption: SIGTERM to every rank
     cluster.wait_state(job, ["PENDING"], 120)
-    cluster.run("scontrol", "update", f"JobId={job}", "StartTime=now")
+    _start_again_now(cluster, job)
     cluster.wait_state(job, ["COMPLETED"], 900)
 
     batch = _batch_log(tmp_path, job)
