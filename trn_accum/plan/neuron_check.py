@@ -58,7 +58,7 @@ from trn_accum.neuron import kernels, platform
 from trn_accum.plan import node_rows
 from trn_accum.plan.node_rows import FAIL, PASS, RTOL, RTOL_BF16, SKIP, compare_attention, max_rel
 from trn_accum.train.checkpoint import Checkpointer
-from trn_accum.train.config import Config, load_config
+from trn_accum.train.config import Config, TrainerConfig, load_config
 
 
 @dataclasses.dataclass
@@ -110,9 +110,12 @@ class Check:
         data_cfg = dataclasses.replace(
             c.data, kind="synthetic", seq_len=seq, global_batch=shards * 4, path=""
         )
-        # the options a row compares are reset (a row names the ones it tests), the rest kept
-        base = {"accum_steps": 1, "reduce": "per_minibatch", "gather": "per_minibatch",
-                "reduce_dtype": "float32"}  # fmt: skip
+        # the options a row compares are reset to their defaults (a row names the ones it
+        # tests), the rest kept
+        defaults = TrainerConfig()
+        base = {
+            k: getattr(defaults, k) for k in ("accum_steps", "reduce", "gather", "reduce_dtype")
+        }
         t = dataclasses.replace(c.trainer, **{**base, **trainer})
         return dataclasses.replace(c, model=m, mesh=mesh, data=data_cfg, trainer=t)
 
