@@ -1,0 +1,56 @@
+"""analysis.partitioned: the module after XLA's SPMD partitioner, before XLA:CPU's own passes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from trn_accum.analysis.collectives import collectives
+from trn_accum.analysis.partitioned import compile_partitioned
+
+
+def _grad_of_sharded_weight():
+    """d/dw sum((x @ w)^2) in bf16: w [256, 128] sharded over fsdp, x batch-sharded, the
+    gradient returned fsdp-sharded (a reduction over both batch axes)."""
+    mesh = jax.make_mesh((4, 2), ("data", "fsdp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    w = jax.ShapeDtypeStruct((256, 128), jnp.bfloat16, sharding=NamedSharding(mesh, P("fsdp")))
+    x = jax.ShapeDtypeStruct(
+        (64, 256), jnp.bfloat16, sharding=NamedSharding(mesh, P(("data", "fsdp")))
+    )
+
+    def loss(w, x):
+        return jnp.sum(jnp.square((x @ w).astype(jnp.float32)))
+
+    f = jax.jit(jax.grad(loss), out_shardings=NamedSharding(mesh, P("fsdp")))
+    return (w, x), f.lower(w, x)
+
+
+def test_partitioned_module_keeps_the_programs_dtypes_where_xla_cpu_widens_them():
+    args, lowered = _grad_of_sharded_weight()
+    compiled, text = compile_partitioned(lowered)
+    assert "num_partitions=8" in text.split("\n", 1)[0]
+    reductions = [c for c in collectives(text) if c.kind == "all-reduce"]
+    assert reductions and all(c.instruction.dtypes == {"bf16"} for c in reductions), [
+        c.instruction.type_text for c in reductions
+    ]
+    # XLA:CPU's final program reduces the same gradient in float32 (its bf16 normalization):
+    # the reason this module, not `as_text()`, is what gets counted and priced.
+    final = [c for c in collectives(compiled.as_text()) if c.kind == "all-reduce"]
+    assert final and any("f32" in c.instruction.dtypes for c in final)
+    # The executable is the ordinary one: bit-equal to `lowered.compile()`'s.
+    w, x = (
+        jax.device_put((jnp.arange(a.size) % m / m).reshape(a.shape).astype(a.dtype), a.sharding)
+        for a, m in zip(args, (7, 5), strict=True)
+    )
+    np.testing.assert_array_equal(
+        np.asarray(compiled(w, x), np.float32), np.asarray(lowered.compile()(w, x), np.float32)
+    )
+
+
+def test_one_device_program_is_its_module_before_optimizations():
+    lowered = jax.jit(lambda x: jnp.sum(x * 2)).lower(jnp.ones((8, 8)))
+    compiled, text = compile_partitioned(lowered)
+    assert text.startswith("HloModule") and "multiply" in text
+    assert not collectives(text)
+    assert float(compiled(jnp.ones((8, 8)))) == 128.0

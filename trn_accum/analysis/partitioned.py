@@ -1,0 +1,61 @@
+"""The module a backend receives after XLA's SPMD partitioner: what to count and price.
+
+`compiled.as_text()` on the CPU fallback is XLA:CPU's final program. By then the CPU backend
+has rewritten what the partitioner produced: its float normalization widens bf16 arithmetic
+(and may merge bf16 and f32 collectives into one f32 tuple), its combiners merge collectives,
+and it never forms a reduce-scatter. A Neuron (or GPU, TPU) compile starts from the same
+partitioned module and runs its own passes instead. So the collectives of a program, their
+dtypes and their bytes are read here, right after the pass named `spmd-partitioning` (the
+SPMD partitioner, Shardy's and GSPMD's alike), before any backend pass.
+
+How: the one compile also dumps that pass's output (XLA's `xla_dump_to` and
+`xla_dump_hlo_pass_re` debug options, passed as `compile(compiler_options=...)`, so no
+environment variable is touched) into a temporary directory that is removed afterwards.
+
+Imports JAX only.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import tempfile
+
+import jax
+
+__all__ = ["PASS", "compile_partitioned"]
+
+#: The XLA pass whose output is the partitioned module (the file `*.after_<PASS>.*.txt`).
+PASS = "spmd-partitioning"
+
+
+def compile_partitioned(lowered: jax.stages.Lowered) -> tuple[jax.stages.Compiled, str]:
+    """(compiled, HLO text of the module right after the SPMD partitioner).
+
+    One compile of `lowered`, the executable the same as `lowered.compile()`'s. The text is
+    per device (shapes are shard shapes, collectives explicit) and in the dtypes the program
+    wrote. A program of one partition skips the partitioner: its module before XLA's
+    optimizations is the same thing. RuntimeError if a partitioned program left no such module
+    (the pass was renamed: read `PASS`).
+    """
+    with tempfile.TemporaryDirectory(prefix="trn-accum-hlo-") as tmp:
+        compiled = lowered.compile(
+            compiler_options={"xla_dump_to": tmp, "xla_dump_hlo_pass_re": PASS}
+        )
+        found = sorted(pathlib.Path(tmp).glob(f"*.after_{PASS}.*.txt"))
+        before = sorted(pathlib.Path(tmp).glob("*.before_optimizations.txt"))
+        if not found and before and _partitions(before[-1].read_text()) == 1:
+            found = before
+        if not found:
+            raise RuntimeError(
+                f"XLA dumped no module after pass {PASS!r} into {tmp}: "
+                f"{sorted(p.name for p in pathlib.Path(tmp).iterdir())[:8]}"
+            )
+        # One module per compile; a later file (a recompile of the same program) has the same text.
+        return compiled, found[-1].read_text()
+
+
+def _partitions(module_text: str) -> int:
+    """`num_partitions` of an HLO module's header line (1 when the header does not say)."""
+    m = re.search(r"num_partitions=(\d+)", module_text.split("\n", 1)[0])
+    return int(m.group(1)) if m else 1
