@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from trn_accum.analysis import recommend as rec
 from trn_accum.analysis import steptime
+from trn_accum.analysis.pricing import FEATURES
 from trn_accum.core.sharding import resolve_axes
 from trn_accum.neuron import platform
 
@@ -119,7 +120,18 @@ def _summary(efa_bytes, node_bytes, efa_s, compute=1.0):
         "efa": {"wire_bytes": efa_bytes, "time_s": efa_s, "count": 1},
     }
     return steptime._bounds(
-        {"by_link": by_link, "by_axes": {}, "comm_s": 0.5 + efa_s, "unknown_trips": 0},
+        {
+            "by_link": by_link,
+            "by_axes": {},
+            "comm_s": 0.5 + efa_s,
+            "unknown_trips": 0,
+            "ops": {
+                **{f"{f}_s": 0.0 for f in FEATURES},
+                "dot_flops_s": compute,
+                "total_s": compute,
+            },
+            "comm_predicted_s": 0.5 + efa_s,
+        },
         compute * 10.0,
         10.0,
         1000.0,
@@ -212,10 +224,10 @@ def test_tiny_train_step_once_reduces_over_nodes_once():
     data_ar = [c for c in steptime.collective_costs(
         perfmodel._compiled_module(perfmodel._with(cfg, reduce="once"), jax.devices()[:8], 32)[0],
         shape, layout=layout) if c.axes == ("data",)]  # fmt: skip
-    assert [(c.levels, c.by_link) for c in data_ar] == [
-        ((1, 2, 2), {"node": (grad + 12.0, pytest.approx(data_ar[0].by_link["node"][1])),
-                     "efa": ((grad + 12) / 2, pytest.approx(data_ar[0].by_link["efa"][1]))})
-    ]  # fmt: skip
+    # the partitioned module reduces leaf by leaf (no backend combiner): summed over them
+    assert {c.levels for c in data_ar} == {(1, 2, 2)}
+    assert sum(c.by_link["node"][0] for c in data_ar) == grad + 12.0
+    assert sum(c.by_link["efa"][0] for c in data_ar) == (grad + 12) / 2
     assert once["by_axes"]["data"]["loop_wire_bytes_per_minibatch"] == 0.0
     assert per_mb["by_axes"]["data"]["loop_wire_bytes_per_minibatch"] > 0
     # per_minibatch reduces over (data, fsdp) every minibatch: hierarchically its EFA share is
@@ -259,12 +271,14 @@ def test_explore_tiny_candidates_and_recommendation(monkeypatch):
     labels = [(rec.Candidate(**{k: v for k, v in c["candidate"].items() if k != "mesh_shape"})
                .label(), c["fits"]) for c in st["candidates"]]  # fmt: skip
     assert st["fit_k"]["hybrid x2"] == [1, 2, 4]
+    # k=1 compiles to 1 byte over the budget (the fake's memory_bytes): analytically it fits,
+    # by its own compiled footprint it does not
     assert labels == [
-        ("hybrid x2 k=1 per_minibatch", True),
-        ("hybrid x2 k=1 once", True),
+        ("hybrid x2 k=1 per_minibatch", False),
+        ("hybrid x2 k=1 once", False),
         ("hybrid x2 k=2 per_minibatch", True),
         ("hybrid x2 k=2 once", True),
-        ("reference x2 k=1 per_minibatch", True),
+        ("reference x2 k=1 per_minibatch", False),
         ("reference x2 k=2 per_minibatch", True),
         # stage two: the fastest of those (hybrid k=2 once) with the other remat policies
         ("hybrid x2 k=2 once remat=none", True),
@@ -285,7 +299,9 @@ def test_explore_tiny_candidates_and_recommendation(monkeypatch):
     assert [(r["nodes"], r["global_batch"]) for r in st["scale"]] == [
         (1, 16), (2, 32), (4, 64), (3, 48)
     ]  # fmt: skip
-    lines = perfmodel.format_lines(st)
+    from trn_accum.plan.steptime_report import format_lines
+
+    lines = format_lines(st)
     assert (
         "  recommended at 2 node(s): hybrid x2 k=2 once remat=none gather=once_unsharded" in lines
     )
@@ -335,3 +351,31 @@ def test_loss_chunk_loop_trips_do_not_depend_on_the_node_count():
         trips[nodes] = perfmodel.predict(cfg, nodes=nodes, layout=layout)["trips"]  # fmt: skip
     assert trips[1] == trips[2]
     assert 4 * 2 in trips[2]  # 2 rows per device per minibatch x 64 tokens / 16
+
+
+def test_merged_tuple_collective_priced_element_by_element():
+    """A collective the combiner merged from a bf16 and a float32 operand into one float32
+    tuple: the widened bf16 element is priced at 2 bytes an element, the float32 one at 4,
+    whatever the reducer is called."""
+    from trn_accum.analysis.collectives import collectives
+
+    for reducer in ("add", "add.promoted"):
+        text = f"""HloModule m, num_partitions=2
+
+%{reducer} (a: f32[], b: f32[]) -> f32[] {{
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}}
+
+ENTRY %main (p0: bf16[8,16], p1: f32[4,16]) -> (f32[8,16], f32[4,16]) {{
+  %p0 = bf16[8,16]{{1,0}} parameter(0)
+  %p1 = f32[4,16]{{1,0}} parameter(1)
+  %c = f32[8,16]{{1,0}} convert(%p0)
+  ROOT %ar = (f32[8,16]{{1,0}}, f32[4,16]{{1,0}}) all-reduce(%c, %p1), """
+        text += f"""replica_groups={{{{0,1}}}}, to_apply=%{reducer}
+}}
+"""
+        (c,) = collectives(text)
+        assert c.bytes == 8 * 16 * 4 + 4 * 16 * 4
+        assert c.wire_bytes_source == 8 * 16 * 2 + 4 * 16 * 4, reducer

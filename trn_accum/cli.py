@@ -141,6 +141,9 @@ def _mesh_names(text: str) -> tuple[str, ...]:
 
 
 def _cmd_dry_run(args) -> int:
+    from trn_accum.analysis import platforms
+
+    args.devices = args.devices or platforms.get(args.platform).devices_per_node
     if not 1 <= args.devices <= MAX_DRY_RUN_DEVICES:
         raise UsageError(
             f"--devices {args.devices}: must be 1..{MAX_DRY_RUN_DEVICES} (64 = one trn2.48xlarge "
@@ -165,6 +168,7 @@ def _cmd_dry_run(args) -> int:
         nodes=args.nodes,
         step_time=args.step_time,
         step_time_meshes=args.step_time_meshes,
+        platform_name=args.platform,
     )
     print(dryrun.format_report(report, as_json=args.json))
     return EXIT_FAILED if report.get("blockers") else EXIT_OK
@@ -336,7 +340,18 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("dry-run", help="compile the real train step on emulated CPU devices")
     _config_args(d)
     d.add_argument(
-        "--devices", type=int, default=64, help="emulated devices (default 64: one trn2.48xlarge)"
+        "--devices",
+        type=int,
+        default=None,
+        help="emulated devices (default: one node of the platform, 64 for trn2.48xlarge at LNC=2)",
+    )
+    from trn_accum.analysis.platforms import DEFAULT, PLATFORMS
+
+    d.add_argument(
+        "--platform",
+        default=DEFAULT,
+        choices=tuple(PLATFORMS),
+        help="what the step-time model prices (trn_accum/analysis/platforms.py)",
     )
     d.add_argument(
         "--nodes", type=int, default=None, help="node count whose per-device batch to emulate"

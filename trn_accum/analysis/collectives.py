@@ -107,9 +107,10 @@ def native_bytes(module: HloModule, ins: Instruction, nbytes: int) -> int:
     XLA:CPU widens 2-byte float collectives to float32 after partitioning (checked on the
     passes' dumps, `--xla_dump_hlo_pass_re`: the same collectives are bf16 before, f32 after):
     - a reduction (all-reduce, reduce-scatter) gets a reducer named `*promoted*` (pass
-      `all-reduce-promotion`): priced at 2 bytes an element. A reduction the combiner merged
-      with float32 ones keeps float32 (partial sums of bf16 values are not bf16 values; the
-      program's own widening and the backend's cannot be told apart there): an overcharge.
+      `all-reduce-promotion`): priced at 2 bytes an element.
+    - a combined (tuple) collective, reduction or not, whose combiner merged bf16 and f32
+      operands into one f32 tuple: element by element, each float32 element whose operand is
+      a widened 2-byte float at 2 bytes, every other element at its own dtype.
     - a data movement (all-gather, all-to-all, permute) of a value that is a widened 2-byte
       float (its operand a convert from bf16, `float-normalization-bf16`): 2 bytes an element,
       lossless, what a backend with 2-byte collectives (Neuron) moves.
@@ -118,15 +119,18 @@ def native_bytes(module: HloModule, ins: Instruction, nbytes: int) -> int:
     if "f32" not in ins.dtypes:
         return nbytes
     kind = _collective_kind(ins.opcode)
-    if kind in ("all-reduce", "reduce-scatter"):
-        return nbytes // 2 if "promoted" in (ins.attrs.get("to_apply") or "") else nbytes
     ops = module.operand_instructions(ins)
     arrays = [a for a in ins.shapes if a.dims or not ins.is_tuple]
     if ins.is_tuple and len(ops) == len(arrays):  # a combined collective: operand by operand
+        # each element in its own dtype: a float32 element fed by a convert of a bf16 value
+        # is the backend's widening (reductions and data movement alike), any other float32
+        # element is the program's
         return sum(
             a.nbytes // 2 if a.dtype == "f32" and converted_from_narrow(module, o) else a.nbytes
             for a, o in zip(arrays, ops, strict=True)
         )
+    if kind in ("all-reduce", "reduce-scatter"):
+        return nbytes // 2 if "promoted" in (ins.attrs.get("to_apply") or "") else nbytes
     if len(ins.dtypes) == 1 and ops and all(converted_from_narrow(module, o) for o in ops):
         return nbytes // 2
     return nbytes

@@ -227,7 +227,7 @@ class HloModule:
             for ins in self.computations[cname].instructions:
                 factor: int | None = 1
                 if ins.opcode == "while":
-                    factor = ins.trip_count
+                    factor = ins.trip_count or self.counted_trips(ins)
                 for callee in ins.called_computations:
                     if callee not in self.computations:
                         continue
@@ -259,6 +259,39 @@ class HloModule:
 
         visit(self.entry)
         return order[::-1]
+
+    def counted_trips(self, loop: Instruction) -> int | None:
+        """Trip count of a `while` without a known_trip_count (a module before XLA's loop
+        analysis, e.g. right after SPMD partitioning): its condition's root is
+        `compare(get-tuple-element(param, i), constant(N)), direction=LT` and the loop's init
+        tuple holds a constant c at i (each maybe through copies): N - c trips. None for any
+        other shape."""
+        cond = self.computations.get(names_in(loop.attrs.get("condition", ""), bare_ok=True)[0])
+        root = cond.root if cond is not None else None
+        if root is None or root.opcode != "compare" or "direction=LT" not in root.line:
+            return None
+        ops = [self._through_copies(o) for o in self.operand_instructions(root)]
+        if len(ops) != 2 or ops[0].opcode != "get-tuple-element" or ops[1].opcode != "constant":
+            return None
+        init = self.operand_instructions(loop)
+        init = self.operand_instructions(init[0]) if init and init[0].opcode == "tuple" else ()
+        index = int(ops[0].attrs.get("index", "-1"))
+        start = self._through_copies(init[index]) if 0 <= index < len(init) else None
+        if start is None or start.opcode != "constant":
+            return None
+        try:
+            return int(_constant(ops[1])) - int(_constant(start))
+        except ValueError:
+            return None
+
+    def _through_copies(self, ins: Instruction) -> Instruction:
+        """The value a chain of copies / bitcasts / reshapes of one operand starts from."""
+        while ins.opcode in ("copy", "bitcast", "reshape") and len(ins.operands) == 1:
+            ops = self.operand_instructions(ins)
+            if not ops:
+                break
+            ins = ops[0]
+        return ins
 
     def trip_multiplier(self, computation: str) -> int | None:
         return self._multipliers.get(computation)
@@ -323,6 +356,11 @@ def dot_flops(module: HloModule) -> dict[str, Any]:
             mult = 1
         with_trips += flops * mult
     return {"once": once, "with_trips": with_trips, "unknown_trips": unknown}
+
+
+def _constant(ins: Instruction) -> str:
+    """The literal of a scalar `constant(...)` instruction."""
+    return ins.operand_text.strip()
 
 
 # ----------------------------------------------------------------------------- parsing

@@ -73,9 +73,10 @@ def candidate_grid(
 
 
 def sort_key(row: Mapping[str, Any]) -> tuple[float, float]:
-    """(no-overlap, full-overlap) step time of a row: the ranking."""
+    """(predicted, no-overlap floor) step time of a row: the ranking (a summary without a
+    prediction ranks by its floors)."""
     s = row["summary"]
-    return (s["step_s_no_overlap"], s["step_s_full_overlap"])
+    return (s.get("predicted_step_s", s["step_s_no_overlap"]), s["step_s_no_overlap"])
 
 
 def _differs_in_one(a: Candidate, b: Candidate) -> str | None:
@@ -110,8 +111,8 @@ def recommend(rows: Sequence[Mapping[str, Any]], nodes: int) -> dict[str, Any] |
     if best is not fastest:
         f = fastest["candidate"]
         reasons.append(
-            f"k = {b.k} over {f.k} for memory headroom: step {bs['step_s_no_overlap']:.3f} s "
-            f"vs {fastest['summary']['step_s_no_overlap']:.3f} s (no overlap), within "
+            f"k = {b.k} over {f.k} for memory headroom: step {sort_key(best)[0]:.3f} s "
+            f"vs {sort_key(fastest)[0]:.3f} s (predicted), within "
             f"{HEADROOM_BAND:.0%}; the analytic fit is a lower bound on what the compiler "
             "allocates"
         )
@@ -123,12 +124,11 @@ def recommend(rows: Sequence[Mapping[str, Any]], nodes: int) -> dict[str, Any] |
         if field is None or field in said or other is fastest:
             continue  # (the fastest, when not chosen, is the headroom reason above)
         said.add(field)
-        os_ = other["summary"]
         theirs = getattr(other["candidate"], field)
         theirs = "the config's" if theirs is None else theirs  # None: the config's setting
         parts = [
             f"{field} = {getattr(b, field)} over {theirs}: step "
-            f"{bs['step_s_no_overlap']:.3f} s vs {os_['step_s_no_overlap']:.3f} s (no overlap)"
+            f"{sort_key(best)[0]:.3f} s vs {sort_key(other)[0]:.3f} s (predicted)"
         ]
         for link in (platform.LINK_EFA, platform.LINK_NODE):
             d = _link_bytes(other, link) - _link_bytes(best, link)

@@ -21,8 +21,10 @@ the group size on the target mesh, how a group splits over the levels of the har
             all-gather down: wire_l = 2 (n_l - 1) / n_l x S_l, steps_l = 2 (n_l - 1)
         all-gather, reduce-scatter: wire_l = (n_l - 1) / n_l x S_l, steps_l = n_l - 1
         all-to-all, collective-permute: one ring on the slowest link (S x (n - 1) / n; S)
-    time per run = sum over levels of wire_l / bandwidth_l + steps_l x latency_l (levels one
-        after the other; bandwidth and latency of the link class, `trn_accum.neuron.platform`)
+    time per run = sum over levels of wire_l / bandwidth_l + steps_l x latency_l + fixed_l (levels
+        one after the other; bandwidth, latency and fixed cost of the link class: the peak links
+        of `trn_accum.neuron.platform` for the floor, fixed 0; the achieved ones of
+        `trn_accum.analysis.platforms` for the prediction)
 
 A group on one level is the flat ring. A group over data x fsdp (16 devices per node, one per
 chip, 32 nodes) crosses EFA with 1/16 of the buffer in 2 x 31 steps, not as a 512-device ring
@@ -86,6 +88,15 @@ class Layout:
             platform.devices_per_node(lnc), platform.devices_per_chip(lnc), platform.trn2_links(lnc)
         )
 
+    @classmethod
+    def of(cls, plat, *, achieved: bool = False, devices_per_node: int | None = None) -> Layout:
+        """The layout of a `trn_accum.analysis.platforms.Platform`: its peak links (the
+        floor) or its achieved ones; `devices_per_node` overrides the platform's (a dry-run
+        of fewer devices than a whole node)."""
+        per_node = plat.devices_per_node if devices_per_node is None else devices_per_node
+        links = plat.achieved_links if achieved else plat.links
+        return cls(per_node, min(plat.devices_per_chip, per_node), links)
+
 
 def link_of_groups(groups: Sequence[Sequence[int]], layout: Layout) -> str | None:
     """Slowest link class any group crosses (LINK_EFA > LINK_NODE > LINK_CHIP); None when every
@@ -134,7 +145,9 @@ def ring_time(kind: str, full_bytes: float, n: int, link: Mapping[str, float] | 
     if n < 2 or link is None:
         return 0.0
     steps = {"all-reduce": 2 * (n - 1), "collective-permute": 1}.get(kind, n - 1)
-    return ring_wire_bytes(kind, full_bytes, n) / link["bytes_per_s"] + steps * link["latency_s"]
+    fixed = link.get("fixed_s", 0.0)  # per run (achieved links: the collective's floor)
+    wire = ring_wire_bytes(kind, full_bytes, n)
+    return wire / link["bytes_per_s"] + steps * link["latency_s"] + fixed
 
 
 def group_levels(groups: Sequence[Sequence[int]], layout: Layout) -> tuple[int, int, int] | None:
@@ -292,6 +305,8 @@ def summarize(
     tokens_per_step: float,
     accum_steps: int = 1,
     flops_executed_per_step: float | None = None,
+    comm_predicted_s: float | None = None,
+    ops: Mapping[str, float] | None = None,
 ) -> dict[str, Any]:
     """Totals per step and bounds. flops_per_step: useful FLOPs of all devices (analytic);
     flops_executed_per_step: what the program executes on all devices (HLO dots x trips,
@@ -302,7 +317,10 @@ def summarize(
     "loop_wire_bytes_per_minibatch"}}, "comm_s", "compute_s" (executed FLOPs at peak),
     "step_s_no_overlap", "step_s_full_overlap", "tokens_per_s": [low, high], "mfu": [no
     overlap, full overlap] (useful FLOPs), "flops_per_step", "flops_executed_per_step",
-    "peak_flops", "unknown_trips"}; wire bytes and times are per device.
+    "peak_flops", "unknown_trips"}; wire bytes and times are per device. With `ops` (the
+    priced ops of `trn_accum.analysis.pricing.price`, with their features) and
+    `comm_predicted_s` (the collectives on the achieved links) also "ops", "comm_predicted_s",
+    "predicted_step_s" = ops total + comm_predicted_s (no overlap) and "predicted_mfu".
     """
     by_link = {lk: {"wire_bytes": 0.0, "time_s": 0.0, "count": 0} for lk in platform.LINK_CLASSES}
     by_axes: dict[str, dict[str, float]] = {}
@@ -322,12 +340,14 @@ def summarize(
             a["loop_wire_bytes_per_minibatch"] += c.wire_bytes / max(1, accum_steps)
     comm = sum(r["time_s"] for r in by_link.values())
     executed = flops_per_step if flops_executed_per_step is None else flops_executed_per_step
+    extra = {} if ops is None else {"ops": dict(ops), "comm_predicted_s": comm_predicted_s or 0.0}
     return _bounds(
         {
             "by_link": by_link,
             "by_axes": by_axes,
             "comm_s": comm,
             "unknown_trips": sum(not c.trips_known for c in costs),
+            **extra,
         },
         flops_per_step,
         peak_flops,
@@ -342,6 +362,9 @@ def _bounds(out: dict, flops: float, peak: float, tokens: float, executed: float
     comm = out["comm_s"]
     slow, fast = compute + comm, max(compute, comm)
     useful = flops / peak
+    if "ops" in out:
+        predicted = out["ops"]["total_s"] + out["comm_predicted_s"]
+        out = {**out, "predicted_step_s": predicted, "predicted_mfu": useful / predicted}
     return {
         **out,
         "compute_s": compute,
@@ -391,6 +414,14 @@ def extrapolate_summary(by_depth: Mapping[int, Mapping[str, Any]], layers: int) 
         "comm_s": sum(r["time_s"] for r in by_link.values()),
         "unknown_trips": max(s["unknown_trips"] for s in by_depth.values()),
     }
+    if all("ops" in s for s in by_depth.values()):
+        rows = {
+            d: {"ops": s["ops"], "comm": {"predicted_s": s["comm_predicted_s"]}}
+            for d, s in by_depth.items()
+        }
+        line = _extrapolate_rows(rows, layers)
+        out["ops"] = line["ops"]
+        out["comm_predicted_s"] = line["comm"]["predicted_s"]
     return _bounds(
         out, deep["flops_per_step"], deep["peak_flops"], deep["tokens_per_step"], executed
     )
@@ -402,4 +433,5 @@ def trip_counts(hlo: str | HloModule) -> list[int | None]:
     from trn_accum.analysis.hlo import parse_hlo
 
     module = hlo if isinstance(hlo, HloModule) else parse_hlo(hlo)
-    return sorted((w.trip_count for w in module.while_loops()), key=lambda t: (t is None, t or 0))
+    trips = (w.trip_count or module.counted_trips(w) for w in module.while_loops())
+    return sorted(trips, key=lambda t: (t is None, t or 0))

@@ -37,6 +37,7 @@ from typing import Any
 import jax
 
 from trn_accum.analysis import hlo as hlo_lib
+from trn_accum.analysis import platforms
 from trn_accum.analysis.collectives import count_collectives
 from trn_accum.analysis.memory import (
     GIB,
@@ -47,12 +48,12 @@ from trn_accum.analysis.memory import (
     gather_once_bytes,
     state_shard_bytes,
 )
+from trn_accum.analysis.partitioned import compile_partitioned
 from trn_accum.core.sharding import resolve_axes, split_minibatches
 from trn_accum.errors import UserError, one_line
 from trn_accum.model import fuji
 from trn_accum.neuron import kernels, platform, preflight
-from trn_accum.neuron.platform import DEVICE_BUDGET_GIB
-from trn_accum.plan import perfmodel
+from trn_accum.plan import perfmodel, steptime_report
 from trn_accum.train import autok, step
 from trn_accum.train.config import load_config
 
@@ -99,20 +100,28 @@ def run(
     nodes: int | None = None,
     step_time: bool = False,
     step_time_meshes: Sequence[str] | None = None,
+    platform_name: str = platforms.DEFAULT,
 ) -> dict[str, Any]:
     """Lower and compile the train step; returns the report (see the module docstring).
-    `step_time`: add the trn2 step-time model (`trn_accum.plan.perfmodel`, own process),
-    its candidates on `step_time_meshes` (names of `recommend.MESHES`; None = all)."""
+    `step_time`: add the step-time model of `platform_name` (`trn_accum.plan.perfmodel`, own
+    process, nodes of this dry-run's device count), its candidates on `step_time_meshes`
+    (names of `recommend.MESHES`; None = all)."""
     t_start = time.perf_counter()
     cfg = load_config(config_path, overrides)
+    plat = platforms.get(platform_name)
     subs = substitutions(cfg)
     with kernels.substitute(kernels.reference_kernels()) if subs else contextlib.nullcontext():
-        report = _run(cfg, config_path, overrides, devices, nodes, t_start)
+        report = _run(cfg, config_path, overrides, devices, nodes, t_start, plat)
     report["substitutions"] = subs
     if step_time:
         try:
             report["step_time"] = perfmodel.run_in_subprocess(
-                config_path, overrides, report["nodes"], meshes=step_time_meshes
+                config_path,
+                overrides,
+                report["nodes"],
+                meshes=step_time_meshes,
+                platform_name=plat.name,
+                devices_per_node=report["devices"],
             )
         except perfmodel.StepTimeError as e:
             report["step_time"] = {"error": one_line(e)}
@@ -151,7 +160,7 @@ def substitutions(cfg) -> list[dict[str, str]]:
     ]
 
 
-def _run(cfg, config_path, overrides, devices, nodes, t_start) -> dict[str, Any]:
+def _run(cfg, config_path, overrides, devices, nodes, t_start, plat) -> dict[str, Any]:
     notes: list[str] = []
     devs = jax.devices()
     n_dev = len(devs) if devices is None else devices
@@ -186,7 +195,9 @@ def _run(cfg, config_path, overrides, devices, nodes, t_start) -> dict[str, Any]
     t0 = time.perf_counter()
     _ = program.lowered  # timed on its own
     t1 = time.perf_counter()
-    compiled = program.compiled
+    # one compile: the executable (memory, cost, preflight) and the module right after the
+    # SPMD partitioner, whose collectives are the program's (not XLA:CPU's rewrites)
+    compiled, partitioned = compile_partitioned(program.lowered)
     t2 = time.perf_counter()
     hlo_text = compiled.as_text()
     module = hlo_lib.parse_hlo(hlo_text)
@@ -199,7 +210,7 @@ def _run(cfg, config_path, overrides, devices, nodes, t_start) -> dict[str, Any]
     with jax.set_mesh(mesh):
         split_hlo = split.lower(batch_in).compile().as_text()
     split_counts = count_collectives(split_hlo)["total"]
-    step_counts = count_collectives(module)
+    step_counts = count_collectives(partitioned)
 
     # Bytes per device, exact from shard shapes on the full (multi-node) mesh.
     n_params = fuji.num_params(cfg.model)
@@ -207,7 +218,8 @@ def _run(cfg, config_path, overrides, devices, nodes, t_start) -> dict[str, Any]
     p_bytes, g_bytes, o_bytes = sb["params"], sb["grads"], sb["opt_state"]
     mem = compiled_memory(compiled)
     act = activation_estimate(cfg, rows_per_mb, local_shape.get("model", 1))
-    budget = DEVICE_BUDGET_GIB * GIB
+    budget_gib = plat.budget_gib(cfg.trainer.memory_budget_gib)
+    budget = budget_gib * GIB
     state_bytes = p_bytes + g_bytes + o_bytes
     gathered = gather_once_bytes(abstract["params"], specs, full_shape, step.FSDP_AXES,
                                  cfg.model.compute_dtype, cfg.trainer.gather)  # fmt: skip
@@ -222,8 +234,7 @@ def _run(cfg, config_path, overrides, devices, nodes, t_start) -> dict[str, Any]
     cost = _cost_flops(compiled)
     dots = hlo_lib.dot_flops(module)
     cost_trips = None if cost is None else cost + dots["with_trips"] - dots["once"]
-    chips = platform.TRN2_CHIPS_PER_NODE * nodes * n_dev / platform.devices_per_node()
-    peak_total = platform.TRN2_CHIP_PEAK_FLOPS * chips
+    peak_total = plat.peak_flops * total_devices
     floor_s = fl["total"] / peak_total
 
     blockers, warnings = preflight_findings(hlo_text)
@@ -265,7 +276,7 @@ def _run(cfg, config_path, overrides, devices, nodes, t_start) -> dict[str, Any]
         ),
         "activation_estimate": act,
         "fit": {
-            "budget_gib": DEVICE_BUDGET_GIB,
+            "budget_gib": budget_gib,
             "analytic_total_bytes": analytic_total,
             "analytic_fits": analytic_total <= budget,
             "compiled_total_bytes": footprint(mem),
@@ -286,13 +297,14 @@ def _run(cfg, config_path, overrides, devices, nodes, t_start) -> dict[str, Any]
             if cost_trips is None
             else cost_trips * total_devices,
         },
+        "platform": plat.name,
         "step_time_floor_s": floor_s,
         "mfu_formula": (
             f"MFU = {fl['total']:.4g} FLOP / step_time_s / "
-            f"({platform.TRN2_CHIP_PEAK_FLOPS:.4g} FLOP/s x {chips:g} chips) = "
+            f"({plat.peak_flops:.4g} FLOP/s x {total_devices:g} devices) = "
             f"{floor_s:.4g} s / step_time_s"
         ),
-        "peak_note": _peak_note(floor_s),
+        "peak_note": _peak_note(floor_s) if plat.name == "trn2" else plat.source,
         "split_collectives": split_counts,
         "step_collectives": {
             "outside_loops": step_counts["outside_loops"],
@@ -379,7 +391,8 @@ def format_report(r: Mapping[str, Any], *, as_json: bool = False) -> str:
         f" + attention {f['analytic_attention']:.4g}), {f['analytic_per_device']:.4g} per device",
         f"  cost_analysis per device {f['cost_analysis_per_device'] or 0:.4g} (loop bodies once);"
         f" with trip counts {f['cost_analysis_with_trips_per_device'] or 0:.4g}",
-        f"step-time floor at trn2 peak: {r['step_time_floor_s']:.4g} s; {r['mfu_formula']}",
+        f"step-time floor at {r.get('platform', 'trn2')} peak: {r['step_time_floor_s']:.4g} s; "
+        f"{r['mfu_formula']}",
         f"  {r['peak_note']}",
         f"split_minibatches collectives: {sum(r['split_collectives'].values())} "
         f"{_nonzero(r['split_collectives'])}",
@@ -393,5 +406,5 @@ def format_report(r: Mapping[str, Any], *, as_json: bool = False) -> str:
     if r.get("step_time", {}).get("error"):
         lines.append(f"step-time model: not computed: {r['step_time']['error']}")
     elif r.get("step_time"):
-        lines += perfmodel.format_lines(r["step_time"])
+        lines += steptime_report.format_lines(r["step_time"])
     return "\n".join(lines)

@@ -38,8 +38,8 @@ from typing import Any
 
 import jax
 
+from trn_accum.analysis import platforms, pricing, steptime
 from trn_accum.analysis import recommend as rec
-from trn_accum.analysis import steptime
 from trn_accum.analysis.autotune import extrapolate
 from trn_accum.analysis.hlo import dot_flops
 from trn_accum.analysis.memory import (
@@ -50,6 +50,7 @@ from trn_accum.analysis.memory import (
     gather_once_bytes,
     state_shard_bytes,
 )
+from trn_accum.analysis.partitioned import compile_partitioned
 from trn_accum.core.sharding import resolve_axes
 from trn_accum.errors import UserError
 from trn_accum.model import fuji
@@ -79,22 +80,39 @@ def _with(cfg, *, mesh: dict | None = None, k: int | None = None, reduce: str | 
 
 
 def _compiled_module(cfg, devices, rows: int):
-    """(parsed HLO, compiled footprint bytes per device, compile seconds) of the train step of
-    `cfg` on `devices` with `rows` batch rows, cached (the global batch does not enter the
-    program: one compile serves every node count of the same per-device batch)."""
+    """(the partitioned module, compiled footprint bytes per device, compile seconds) of the
+    train step of `cfg` on `devices` with `rows` batch rows, cached (the global batch does not
+    enter the program: one compile serves every node count of the same per-device batch).
+    The module is the one right after XLA's SPMD partitioner (`compile_partitioned`: the
+    dtypes the program wrote, what a Neuron or TPU compile starts from), with the attention
+    the config ships; the footprint is the same compile's `memory_analysis`."""
     from trn_accum.analysis.hlo import parse_hlo
 
     shape = resolve_axes(cfg.mesh.axes(), len(devices))
-    c = plain_attention(_with(cfg, mesh=shape))
+    c = _with(cfg, mesh=shape)
     c = dataclasses.replace(c, data=dataclasses.replace(c.data, global_batch=rows))
     key = (c, len(devices), rows)
     if key not in _HLO:
         t0 = time.perf_counter()
         mesh = step_lib.make_mesh(c, devices)
-        compiled = step_lib.build_step(c, mesh, batch_rows=rows).compiled
+        with kernel_stand_ins(c), jax.set_mesh(mesh):
+            program = step_lib.build_step(c, mesh, batch_rows=rows)
+            compiled, text = compile_partitioned(program.lowered)
         total = footprint(compiled_memory(compiled))
-        _HLO[key] = (parse_hlo(compiled.as_text()), total, time.perf_counter() - t0)
+        _HLO[key] = (parse_hlo(text), total, time.perf_counter() - t0)
     return _HLO[key]
+
+
+def kernel_stand_ins(cfg):
+    """The NKI kernels' JAX stand-ins while `cfg` names attention "neuron_flash" (no CPU
+    kernel; `trn_accum.neuron.kernels.reference_kernels`), else nothing."""
+    import contextlib
+
+    from trn_accum.neuron import kernels
+
+    if cfg.model.attention != "neuron_flash":
+        return contextlib.nullcontext()
+    return kernels.substitute(kernels.reference_kernels())
 
 
 def _state_bytes(cfg, target_shape: dict) -> int:
@@ -110,13 +128,23 @@ def _state_bytes(cfg, target_shape: dict) -> int:
     return b["params"] + b["opt_state"] + 2 * b["grads"] + gathered
 
 
-def predict(cfg, *, nodes: int, layout: steptime.Layout, devices=None,
-            emulate_nodes: int = EMULATE_NODES, depths=DEFAULT_DEPTHS) -> dict:  # fmt: skip
-    """The step-time summary of `cfg` (integer accum_steps) on `nodes` nodes, with
+def predict(
+    cfg,
+    *,
+    nodes: int,
+    layout: steptime.Layout,
+    devices=None,
+    emulate_nodes: int = EMULATE_NODES,
+    depths=DEFAULT_DEPTHS,
+    plat: platforms.Platform = platforms.TRN2,
+) -> dict:
+    """The step-time summary of `cfg` (integer accum_steps) on `nodes` nodes of `plat`, with
     "depths_compiled", "compile_s", "target_mesh", "mesh_shape" (per node), "trips" (the
     loops' trip counts of the deepest compile) and "memory_bytes" (the compiled footprint per
     device at full depth: extrapolated per layer, the state shards of the compiled mesh
-    replaced by those of the target mesh)."""
+    replaced by those of the target mesh). The floor prices collectives on `layout`'s links
+    and compute at peak; "predicted_step_s" prices every op at `plat.efficiency`
+    (`trn_accum.analysis.pricing`) and collectives on `plat.achieved_links`."""
     devices = list(jax.devices() if devices is None else devices)
     e = min(nodes, emulate_nodes)
     per_node = layout.devices_per_node
@@ -131,7 +159,8 @@ def predict(cfg, *, nodes: int, layout: steptime.Layout, devices=None,
     target = resolve_axes(cfg.mesh.axes(), per_node * nodes)
     k = cfg.trainer.accum_steps
     fl = step_lib.flops_per_step(cfg)
-    peak = platform.device_peak_flops() * per_node * nodes
+    peak = plat.peak_flops * per_node * nodes
+    achieved = dataclasses.replace(layout, links=plat.achieved_links)
     layers = cfg.model.num_layers
     at = sorted(depths) if layers > max(depths) else [layers]
     by_depth, mem, secs, module = {}, {}, 0.0, None
@@ -140,12 +169,19 @@ def predict(cfg, *, nodes: int, layout: steptime.Layout, devices=None,
         secs += s
         mem[d] = total
         costs = steptime.collective_costs(module, compiled_shape, target, layout)
+        comm_achieved = steptime.collective_costs(module, compiled_shape, target, achieved)
+        features = pricing.op_features(module, plat.efficiency.tile)
+        ops = {
+            **features,
+            **pricing.price(features, plat.peak_flops, plat.hbm_bytes_s, plat.efficiency),
+        }
         # weak scaling: every device runs the same per-device program at any node count
         executed = dot_flops(module)["with_trips"] * per_node * nodes
         fl_d = step_lib.flops_per_step(_with(cfg, layers=d)) if len(at) == 2 else fl
         by_depth[d] = steptime.summarize(
             costs, flops_per_step=fl_d["total"], peak_flops=peak, tokens_per_step=fl["tokens"],
-            accum_steps=k, flops_executed_per_step=executed,
+            accum_steps=k, flops_executed_per_step=executed, ops=ops,
+            comm_predicted_s=sum(c.time_s for c in comm_achieved),
         )  # fmt: skip
     if len(at) == 1:
         out = by_depth[layers]
@@ -181,8 +217,18 @@ def _variant_rows(cfg, b, field: str, values, *, meshes, nodes, layout, budget, 
         fit_ks[(f"{b.mesh} {field}={value}", nodes)] = ks
         if b.k in ks:
             cand = dataclasses.replace(b, **{field: value})
-            out.append({"candidate": cand, "fits": True, "summary": predict(c, nodes=nodes, **kw)})
+            summary = predict(c, nodes=nodes, **kw)
+            out.append(
+                {"candidate": cand, "fits": compiled_fits(summary, budget), "summary": summary}
+            )
     return out
+
+
+def compiled_fits(summary: dict, budget: float) -> bool:
+    """Whether a candidate's own compiled footprint at full depth ("memory_bytes") fits
+    `budget` bytes (False when the backend reported no memory)."""
+    mem = summary.get("memory_bytes")
+    return mem is not None and mem <= budget
 
 
 def _has_data(row) -> bool:
@@ -190,25 +236,44 @@ def _has_data(row) -> bool:
     return row["summary"].get("target_mesh", {}).get("data", 1) > 1
 
 
-def fitting_k(cfg, mesh_axes: dict, nodes: int, layout: steptime.Layout) -> dict[str, Any]:
-    """`fit_by_steps` of `cfg` on `mesh_axes` at `nodes` nodes (analytic, budget =
-    trainer.memory_budget_gib)."""
+def fitting_k(
+    cfg, mesh_axes: dict, nodes: int, layout: steptime.Layout, budget: float | None = None
+) -> dict[str, Any]:
+    """`fit_by_steps` of `cfg` on `mesh_axes` at `nodes` nodes (analytic, budget in bytes,
+    default trainer.memory_budget_gib)."""
     c = _with(cfg, mesh=mesh_axes)
     target = resolve_axes(mesh_axes, layout.devices_per_node * nodes)
     per_node = resolve_axes(mesh_axes, layout.devices_per_node)
-    budget = cfg.trainer.memory_budget_gib * GIB
+    budget = cfg.trainer.memory_budget_gib * GIB if budget is None else budget
     return fit_by_steps(c, per_node, _state_bytes(c, target), nodes, budget)
+
+
+def _resolves(axes: dict, devices: int) -> bool:
+    try:
+        resolve_axes(axes, devices)
+    except ValueError:
+        return False
+    return True
 
 
 SCALE_NODES = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
-def explore(cfg, *, nodes: int, layout: steptime.Layout, devices=None,
-            meshes=None, k_limit: int = 2, depths=DEFAULT_DEPTHS,
-            emulate_nodes: int = EMULATE_NODES,
-            scale_nodes: Sequence[int] = SCALE_NODES,
-            remats: Sequence[str] = fuji.REMAT_POLICIES,
-            gathers: Sequence[str] = ("once", "once_unsharded")) -> dict[str, Any]:  # fmt: skip
+def explore(
+    cfg,
+    *,
+    nodes: int,
+    layout: steptime.Layout,
+    devices=None,
+    meshes=None,
+    k_limit: int = 2,
+    depths=DEFAULT_DEPTHS,
+    emulate_nodes: int = EMULATE_NODES,
+    scale_nodes: Sequence[int] = SCALE_NODES,
+    remats: Sequence[str] = fuji.REMAT_POLICIES,
+    gathers: Sequence[str] = ("once", "once_unsharded"),
+    plat: platforms.Platform = platforms.TRN2,
+) -> dict[str, Any]:
     """The config's prediction, every candidate's (fit, summary), the recommendation and the
     weak-scaling table of the recommended choice.
 
@@ -219,17 +284,19 @@ def explore(cfg, *, nodes: int, layout: steptime.Layout, devices=None,
     fastest of them with each other remat policy of `remats` whose analytic bytes fit at its k
     (a second stage: remat changes compute and memory, not the collectives' layout); then
     the fastest reduce="once" candidate with a data axis with each trainer.gather of `gathers`
-    whose analytic bytes (with `gather_once_bytes`) fit at its k. Each
-    summary also carries its program's compiled footprint ("memory_bytes"), not used for the
-    fit: the priced programs use plain attention (`plain_attention`) and XLA:CPU keeps bf16
-    temporaries in float32, so it overstates what the program needs on trn2. The
-    scale table: the recommended mesh, k and reduce at each node count of `scale_nodes`, the
-    per-node batch of the config (weak scaling)."""
+    whose analytic bytes (with `gather_once_bytes`) fit at its k. The analytic bytes only
+    choose which k to compile (a lower bound: nothing below it can fit); a candidate "fits"
+    when its own compiled footprint ("memory_bytes", XLA:CPU's: bf16 temporaries kept in
+    float32, so an overstatement on trn2) fits the budget (trainer.memory_budget_gib, at most
+    the platform's device memory). Meshes that do not divide a node's devices are left out.
+    Ranked by "predicted_step_s". The scale table: the recommended mesh, k and reduce at each
+    node count of `scale_nodes`, the per-node batch of the config (weak scaling)."""
     t0 = time.perf_counter()
     meshes = rec.MESHES if meshes is None else meshes
-    kw = dict(layout=layout, devices=devices, depths=depths, emulate_nodes=emulate_nodes)
-    fits = {m: fitting_k(cfg, axes, nodes, layout) for m, axes in meshes.items()}
-    budget = cfg.trainer.memory_budget_gib * GIB
+    meshes = {m: a for m, a in meshes.items() if _resolves(a, layout.devices_per_node)}
+    kw = dict(layout=layout, devices=devices, depths=depths, emulate_nodes=emulate_nodes, plat=plat)
+    budget = plat.budget_gib(cfg.trainer.memory_budget_gib) * GIB
+    fits = {m: fitting_k(cfg, axes, nodes, layout, budget) for m, axes in meshes.items()}
     fit_ks = {(m, nodes): [r["k"] for r in f["table"] if r["bytes"] <= budget]
               for m, f in fits.items()}  # fmt: skip
     rows, seen = [], set()
@@ -243,7 +310,7 @@ def explore(cfg, *, nodes: int, layout: steptime.Layout, devices=None,
         seen.add(same)
         c = _with(cfg, mesh=meshes[cand.mesh], k=cand.k, reduce=cand.reduce)
         summary = predict(c, nodes=cand.nodes, **kw)
-        rows.append({"candidate": cand, "fits": True, "summary": summary})
+        rows.append({"candidate": cand, "fits": compiled_fits(summary, budget), "summary": summary})
     best = rec.recommend(rows, nodes)
     variant = functools.partial(_variant_rows, cfg, meshes=meshes, nodes=nodes, layout=layout,
                                 budget=budget, fit_ks=fit_ks, kw=kw)  # fmt: skip
@@ -272,7 +339,9 @@ def explore(cfg, *, nodes: int, layout: steptime.Layout, devices=None,
             "k": cfg.trainer.accum_steps,
             "reduce": cfg.trainer.reduce,
             "summary": own,
+            "fits": compiled_fits(own, budget),
         },  # fmt: skip
+        "platform": plat.name,
         "fit_k": {f"{m} x{n}": ks for (m, n), ks in fit_ks.items()},
         "budget_bytes": budget,
         "candidates": [
@@ -297,7 +366,8 @@ def scale_table(cfg, nodes: int, node_counts: Sequence[int], **kw) -> list[dict[
     """Weak scaling: `cfg` at each node count with the per-node batch it has at `nodes`
     (global batch = per-node batch x node count). Counts whose batch does not divide are left
     out. Rows {nodes, global_batch, step_s_no_overlap, step_s_full_overlap, mfu: [no overlap,
-    full overlap]}; one compile at 1 node and one at `EMULATE_NODES` serve every count."""
+    full overlap], predicted_step_s, predicted_mfu}; one compile at 1 node and one at
+    `EMULATE_NODES` serve every count."""
     per_node = cfg.data.global_batch // nodes
     out = []
     for n in node_counts:
@@ -310,6 +380,7 @@ def scale_table(cfg, nodes: int, node_counts: Sequence[int], **kw) -> list[dict[
             "nodes": n, "global_batch": per_node * n,
             "step_s_no_overlap": s["step_s_no_overlap"],
             "step_s_full_overlap": s["step_s_full_overlap"], "mfu": s["mfu"],
+            "predicted_step_s": s["predicted_step_s"], "predicted_mfu": s["predicted_mfu"],
             "efa_wire_bytes": s["by_link"].get(platform.LINK_EFA, {}).get("wire_bytes", 0.0),
         })  # fmt: skip
     return out
@@ -320,18 +391,21 @@ class StepTimeError(UserError):
     the trn2 candidate meshes do not divide); the dry-run reports it and goes on."""
 
 
-def plain_attention(cfg):
-    """cfg with attention "plain": the attention core of every kind is local to a device's
-    (rows, heads) shard, so the collectives are the same; plain compiles fastest, and
-    "neuron_flash" has no CPU kernel."""
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention="plain"))
-
-
-def run_in_subprocess(config_path: str, overrides: Sequence[str], nodes: int,
-                      meshes: Sequence[str] | None = None) -> dict[str, Any]:  # fmt: skip
-    """`explore` of the config on trn2 in a fresh process with enough emulated CPU devices;
-    candidates on the `meshes` named (of `recommend.MESHES`; None = all)."""
-    n = platform.devices_per_node() * min(nodes, EMULATE_NODES)
+def run_in_subprocess(
+    config_path: str,
+    overrides: Sequence[str],
+    nodes: int,
+    meshes: Sequence[str] | None = None,
+    *,
+    platform_name: str = platforms.DEFAULT,
+    devices_per_node: int | None = None,
+) -> dict[str, Any]:
+    """`explore` of the config on `platform_name` (nodes of `devices_per_node` devices,
+    default the platform's) in a fresh process with enough emulated CPU devices; candidates
+    on the `meshes` named (of `recommend.MESHES`; None = all)."""
+    plat = platforms.get(platform_name)
+    per_node = plat.devices_per_node if devices_per_node is None else devices_per_node
+    n = per_node * min(nodes, EMULATE_NODES)
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", ""))
     env["XLA_FLAGS"] = (
@@ -343,6 +417,7 @@ def run_in_subprocess(config_path: str, overrides: Sequence[str], nodes: int,
         a for o in overrides for a in ("--set", o)]  # fmt: skip
     if meshes:
         cmd += ["--meshes", ",".join(meshes)]
+    cmd += ["--platform", plat.name, "--devices-per-node", str(per_node)]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if out.returncode:
         lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
@@ -351,76 +426,24 @@ def run_in_subprocess(config_path: str, overrides: Sequence[str], nodes: int,
     return json.loads(out.stdout)
 
 
-def format_lines(st: dict[str, Any]) -> list[str]:
-    """The step-time part of the dry-run report (`explore`'s output, as JSON-decoded)."""
-    from trn_accum.analysis.autotune import format_bytes
-
-    c, s = st["config"], st["config"]["summary"]
-    depths = s["depths_compiled"]
-    how = f"compiled at {depths[0]} and {depths[1]} layers, extrapolated" if len(depths) == 2 else (
-        f"compiled at {depths[0]} layers")  # fmt: skip
-    lines = [
-        f"step-time model on trn2 (collectives of the compiled step, {how}; "
-        f"{min(c['nodes'], EMULATE_NODES)} emulated nodes priced as {c['nodes']}, full mesh "
-        f"{s['target_mesh']}; hierarchical ring algorithms, links in "
-        "trn_accum/neuron/platform.py):",
-        f"  config: mesh {c['mesh']}, k={c['k']}, reduce {c['reduce']}",
-        f"  {'link':<6} {'bytes/device/step':>18} {'time s':>9} {'ops':>4}",
-    ]
-    for link, row in s["by_link"].items():
-        lines.append(
-            f"  {link:<6} {format_bytes(row['wire_bytes']):>18} {row['time_s']:>9.3f} "
-            f"{int(row['count']):>4}"
-        )
-    for axes, row in s["by_axes"].items():
-        lines.append(
-            f"  over {axes}: {format_bytes(row['wire_bytes'])} per step, "
-            f"{format_bytes(row['loop_wire_bytes_per_minibatch'])} per minibatch in the loop"
-        )
-    lines += [
-        f"  compute: {s['flops_executed_per_step']:.4g} FLOP executed (HLO dots x trips) of "
-        f"{s['flops_per_step']:.4g} useful, at peak {s['compute_s']:.3f} s; communication "
-        f"{s['comm_s']:.3f} s; step {s['step_s_full_overlap']:.3f} s (full overlap) to "
-        f"{s['step_s_no_overlap']:.3f} s (none); tokens/s {s['tokens_per_s'][0]:.4g}-"
-        f"{s['tokens_per_s'][1]:.4g}; MFU (useful FLOPs) {s['mfu'][0]:.1%}-{s['mfu'][1]:.1%}",
-        "  candidates (k whose analytic bytes fit: "
-        + "; ".join(f"{key}: {ks}" for key, ks in st["fit_k"].items())
-        + "; fit = that estimate, a lower bound: the priced programs use plain attention and "
-        "XLA:CPU keeps bf16 temporaries in float32, so their compiled footprints (memory_bytes) "
-        "overstate trn2's" + "); bytes per device per step:",
-        *st["table"],
-    ]
-    best = st.get("recommendation")
-    if best:
-        lines.append(f"  recommended at {c['nodes']} node(s): {best['label']}")
-        lines += [f"    - {r}" for r in best["reasons"]]
-    if st.get("scale"):
-        lines.append("  weak scaling (the recommended mesh, k, reduce; per-node batch fixed):")
-        lines.append(f"    {'nodes':>5} {'batch':>6} {'step s':>15} {'MFU':>13} {'efa/device':>11}")
-        for r in st["scale"]:
-            lines.append(
-                f"    {r['nodes']:>5} {r['global_batch']:>6} {r['step_s_full_overlap']:>7.3f}-"
-                f"{r['step_s_no_overlap']:<7.3f} {r['mfu'][0]:>6.1%}-{r['mfu'][1]:<6.1%} "
-                f"{format_bytes(r['efa_wire_bytes']):>11}"
-            )
-    lines.append(f"  step-time model wall time {st['wall_s']} s")
-    return lines
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m trn_accum.plan.perfmodel")
     p.add_argument("--config", required=True)
     p.add_argument("--set", dest="overrides", action="append", default=[])
     p.add_argument("--nodes", type=int, default=None)
     p.add_argument("--meshes", default=None, help="comma-separated names of recommend.MESHES")
+    p.add_argument("--platform", default=platforms.DEFAULT, choices=sorted(platforms.PLATFORMS))
+    p.add_argument("--devices-per-node", type=int, default=None)
     a = p.parse_args(argv)
+    plat = platforms.get(a.platform)
+    layout = steptime.Layout.of(plat, devices_per_node=a.devices_per_node)
     cfg = load_config(a.config, a.overrides)
     nodes = cfg.mesh.nodes if a.nodes is None else a.nodes
     if not isinstance(cfg.trainer.accum_steps, int):
-        fits = fitting_k(cfg, cfg.mesh.axes(), nodes, steptime.Layout.trn2())["accum_steps"]
+        fits = fitting_k(cfg, cfg.mesh.axes(), nodes, layout)["accum_steps"]
         cfg = _with(cfg, k=fits or 1)
     meshes = None if a.meshes is None else {m: rec.MESHES[m] for m in a.meshes.split(",")}
-    report = explore(cfg, nodes=nodes, layout=steptime.Layout.trn2(), meshes=meshes)
+    report = explore(cfg, nodes=nodes, layout=layout, meshes=meshes, plat=plat)
     print(json.dumps(report, default=str))
     return 0
 

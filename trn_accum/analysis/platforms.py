@@ -1,0 +1,212 @@
+"""The platforms the step-time model prices a train step on (`trn-accum dry-run --platform`).
+
+One `Platform` per name: per JAX device its peak dense BF16 FLOP/s, HBM bandwidth and memory,
+how devices sit in chips and nodes, the peak links (the `floor`: every byte at the link's
+published rate) and the achieved links (what collectives reach: bus bandwidths and per-hop
+latencies from the vendor's collective benchmarks, plus a fixed cost per collective), and the
+op efficiencies of `trn_accum.analysis.pricing` (fitted on measured steps:
+benchmarks/calibration.json says which rows fitted which constants).
+
+trn2 facts stay in `trn_accum.neuron.platform` (their one home, sources there); this module
+adds trn1 and TPU v5e and the achieved figures, each with its public source.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+from trn_accum.analysis.pricing import Efficiency
+from trn_accum.neuron import platform as neuron
+
+__all__ = ["DEFAULT", "PLATFORMS", "Platform", "get"]
+
+Links = Mapping[str, Mapping[str, float]]
+
+# Achieved collective figures on Neuron (AWS Neuron documentation):
+# - nccom-test user guide, tools/neuron-sys-tools/nccom-test
+#   (https://awsdocs-neuron.readthedocs-hosted.com/en/latest/tools/neuron-sys-tools/nccom-test.html):
+#   its example tables give bus bandwidths of about 53 GB/s with 2 ranks and 104 GB/s with 16
+#   ranks within one instance, about 47 GB/s across 2 instances, and a floor of 58 us (within an
+#   instance) to 520 us (across instances) per collective at small sizes;
+# - intra-node and inter-node collectives deep dives, neuron-runtime/explore/
+#   intranode-collective-comm and internode-collective-comm
+#   (https://awsdocs-neuron.readthedocs-hosted.com/en/latest/neuron-runtime/explore/intranode-collective-comm.html):
+#   a ring step costs about 1-2 us over NeuronLink and about 15 us over EFA.
+# Bus bandwidth is what one rank's ring moves per second (nccl-tests' definition, which
+# nccom-test follows), i.e. `steptime.ring_time`'s bytes_per_s; a level never gets more than
+# its peak share (min with the peak link).
+NEURON_BUSBW_CHIP = 53e9
+NEURON_BUSBW_NODE = 104e9
+NEURON_BUSBW_EFA = 47e9
+NEURON_FIXED_NODE_S = 58e-6
+NEURON_FIXED_EFA_S = 520e-6
+NEURON_HOP_CHIP_S = 1e-6
+NEURON_HOP_NODE_S = 2e-6
+NEURON_HOP_EFA_S = 15e-6
+
+
+def _achieved(peak: Links, busbw: Mapping[str, float]) -> dict[str, dict[str, float]]:
+    """Neuron's achieved links: min(peak, bus bandwidth), per-hop latency, fixed cost."""
+    hop = {
+        neuron.LINK_CHIP: NEURON_HOP_CHIP_S,
+        neuron.LINK_NODE: NEURON_HOP_NODE_S,
+        neuron.LINK_EFA: NEURON_HOP_EFA_S,
+    }
+    fixed = {
+        neuron.LINK_CHIP: NEURON_FIXED_NODE_S,
+        neuron.LINK_NODE: NEURON_FIXED_NODE_S,
+        neuron.LINK_EFA: NEURON_FIXED_EFA_S,
+    }
+    return {
+        lk: {
+            "bytes_per_s": min(peak[lk]["bytes_per_s"], busbw[lk]),
+            "latency_s": hop[lk],
+            "fixed_s": fixed[lk],
+        }
+        for lk in peak
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class Platform:
+    """One device kind. Figures per JAX device; `links` peak (the floor), `achieved_links`
+    what collectives reach (with "fixed_s" per run); `efficiency`: `pricing.Efficiency`."""
+
+    name: str
+    peak_flops: float
+    hbm_bytes_s: float
+    memory_gib: float
+    devices_per_node: int
+    devices_per_chip: int
+    links: Links
+    achieved_links: Links
+    efficiency: Efficiency
+    source: str
+
+    def budget_gib(self, configured: float) -> float:
+        """The fit budget: the config's trainer.memory_budget_gib, at most the device's memory."""
+        return min(float(configured), self.memory_gib)
+
+
+# ---------------------------------------------------------------------------- trn2 (LNC=2)
+_TRN2_PEAK_LINKS = neuron.trn2_links()
+TRN2 = Platform(
+    name="trn2",
+    peak_flops=neuron.device_peak_flops(),
+    hbm_bytes_s=neuron.TRN2_CHIP_HBM_BYTES_S / neuron.devices_per_chip(),
+    memory_gib=neuron.device_memory_gib(),
+    devices_per_node=neuron.devices_per_node(),
+    devices_per_chip=neuron.devices_per_chip(),
+    links=_TRN2_PEAK_LINKS,
+    achieved_links=_achieved(
+        _TRN2_PEAK_LINKS,
+        {
+            neuron.LINK_CHIP: NEURON_BUSBW_CHIP,
+            neuron.LINK_NODE: NEURON_BUSBW_NODE,
+            neuron.LINK_EFA: NEURON_BUSBW_EFA,
+        },
+    ),
+    # dot: fitted on the AXLearn Llama-2 7B row of benchmarks/calibration.json (the 70B row
+    # predicted); memory, elementwise, kernel and loop costs: TPU v5e's fitted values scaled to
+    # trn2's bandwidth (no trn2 op profile is published).
+    efficiency=Efficiency(
+        dot=0.46,
+        memory=0.55,
+        elementwise=0.12,
+        kernel_s=4e-6,
+        loop_iter_s=2e-6,
+        source="dot fitted on the AXLearn 7B trn2 row; the rest from the "
+        "TPU v5e fit (benchmarks/calibration.json)",
+    ),
+    source="trn_accum/neuron/platform.py (Trainium2 and Trn2 architecture pages)",
+)
+
+# ---------------------------------------------------------------------------- trn1
+# Trainium architecture page (about-neuron/arch/neuron-hardware/trainium,
+# https://awsdocs-neuron.readthedocs-hosted.com/en/latest/general/arch/neuron-hardware/trainium.html):
+# a chip has 2 NeuronCore-v2, 190 dense BF16 TFLOP/s, 32 GiB at 820 GiB/s; Trn1 architecture
+# page (trn1-arch): 16 chips per trn1.32xlarge, EFA 800 Gbps (trn1n: 1,600). One JAX device is
+# one NeuronCore-v2. No NeuronLink-v2 bandwidth is published: the node link is the nccom-test
+# bus bandwidth for both the floor and the achieved figure.
+TRN1_CHIP_PEAK_FLOPS = 190e12
+TRN1_CHIP_HBM_BYTES_S = 820 * 2**30
+TRN1_CHIP_HBM_GIB = 32.0
+TRN1_CORES_PER_CHIP = 2
+TRN1_CHIPS_PER_NODE = 16
+TRN1_NODE_EFA_BYTES_S = 800e9 / 8
+_TRN1_DEVICES = TRN1_CORES_PER_CHIP * TRN1_CHIPS_PER_NODE
+_TRN1_PEAK_LINKS = {
+    neuron.LINK_CHIP: {
+        "bytes_per_s": TRN1_CHIP_HBM_BYTES_S / 2 / TRN1_CORES_PER_CHIP,
+        "latency_s": 2e-6,
+    },
+    neuron.LINK_NODE: {"bytes_per_s": NEURON_BUSBW_NODE, "latency_s": 5e-6},
+    neuron.LINK_EFA: {"bytes_per_s": TRN1_NODE_EFA_BYTES_S / _TRN1_DEVICES, "latency_s": 20e-6},
+}
+TRN1 = Platform(
+    name="trn1",
+    peak_flops=TRN1_CHIP_PEAK_FLOPS / TRN1_CORES_PER_CHIP,
+    hbm_bytes_s=TRN1_CHIP_HBM_BYTES_S / TRN1_CORES_PER_CHIP,
+    memory_gib=TRN1_CHIP_HBM_GIB / TRN1_CORES_PER_CHIP,
+    devices_per_node=_TRN1_DEVICES,
+    devices_per_chip=TRN1_CORES_PER_CHIP,
+    links=_TRN1_PEAK_LINKS,
+    achieved_links=_achieved(
+        _TRN1_PEAK_LINKS,
+        {
+            neuron.LINK_CHIP: NEURON_BUSBW_CHIP,
+            neuron.LINK_NODE: NEURON_BUSBW_NODE,
+            neuron.LINK_EFA: NEURON_BUSBW_EFA,
+        },
+    ),
+    efficiency=dataclasses.replace(TRN2.efficiency, source="trn2's (nothing fitted on trn1)"),
+    source="Trainium and Trn1 architecture pages (AWS Neuron documentation)",
+)
+
+# ---------------------------------------------------------------------------- TPU v5e
+# Cloud TPU v5e page (https://cloud.google.com/tpu/docs/v5e): per chip 197 BF16 TFLOP/s,
+# 16 GB of HBM2 at 819 GB/s, one TensorCore (one JAX device per chip), 8 chips per host,
+# inter-chip interconnect 1,600 Gbps (200 GB/s), 2 x 100 Gbps NICs per host for the
+# data-centre network between hosts. 15.7 GiB is what JAX reports usable on one chip
+# (jax.local_devices()[0].memory_stats()["bytes_limit"] on the chip this model was checked
+# on, benchmarks/calibration.json). A single device needs no links.
+TPU_V5E_PEAK_FLOPS = 197e12
+TPU_V5E_HBM_BYTES_S = 819e9
+TPU_V5E_MEMORY_GIB = 15.7
+TPU_V5E_CHIPS_PER_HOST = 8
+_TPU_LINKS = {
+    neuron.LINK_CHIP: {"bytes_per_s": TPU_V5E_HBM_BYTES_S / 2, "latency_s": 1e-6},
+    neuron.LINK_NODE: {"bytes_per_s": 1600e9 / 8, "latency_s": 2e-6},
+    neuron.LINK_EFA: {"bytes_per_s": 2 * 100e9 / 8 / TPU_V5E_CHIPS_PER_HOST, "latency_s": 15e-6},
+}
+TPU_V5E = Platform(
+    name="tpu-v5e",
+    peak_flops=TPU_V5E_PEAK_FLOPS,
+    hbm_bytes_s=TPU_V5E_HBM_BYTES_S,
+    memory_gib=TPU_V5E_MEMORY_GIB,
+    devices_per_node=TPU_V5E_CHIPS_PER_HOST,
+    devices_per_chip=1,
+    links=_TPU_LINKS,
+    achieved_links=_TPU_LINKS,
+    efficiency=Efficiency(
+        dot=0.8,
+        memory=0.6,
+        elementwise=0.15,
+        kernel_s=3e-6,
+        loop_iter_s=2e-6,
+        source="fitted on the TPU rows marked fitted in benchmarks/calibration.json",
+    ),
+    source="https://cloud.google.com/tpu/docs/v5e",
+)
+
+PLATFORMS = {p.name: p for p in (TRN2, TRN1, TPU_V5E)}
+DEFAULT = TRN2.name
+
+
+def get(name: str) -> Platform:
+    """The platform called `name`; ValueError naming the known ones otherwise."""
+    try:
+        return PLATFORMS[name]
+    except KeyError:
+        raise ValueError(f"platform {name!r}: known platforms are {', '.join(PLATFORMS)}") from None

@@ -1,0 +1,225 @@
+"""Every op of a partitioned train step priced at what the hardware achieves, not at peak.
+
+Input: the module right after XLA's SPMD partitioner (`trn_accum.analysis.partitioned`): shard
+shapes, the dtypes the program wrote, no backend fusion. Each reachable instruction counts as
+many times as it runs (`HloModule.trip_multiplier`, loops' trip counts included) in one of
+five features (`op_features`), per device and step:
+
+- `dot_flops`: 2 x M x N x K of every dot, each of M, N, K rounded up to the matrix unit's tile
+  (`Efficiency.tile`: a 100 x 100 product costs a 128 x 128 one), the shape part of a dot's
+  efficiency;
+- `kernel_bytes`: HBM bytes of the ops that stay kernels of their own after fusion and move
+  memory: reductions (operand bytes), gathers, scatters, dynamic slices and updates, sorts,
+  transposes, copies, concatenations, pads and slices (bytes read + written);
+- `elementwise_bytes`: result bytes of elementwise ops (add, convert, exp, select, ...); a
+  backend fuses most of them, so their achieved rate (`Efficiency.elementwise`) is a fitted
+  fraction of the HBM bandwidth that folds the fusion in;
+- `kernels`: launches of ops that are kernels of their own (dots, reductions, gathers,
+  scatters, dynamic slices, sorts, custom calls), each a fixed cost (`Efficiency.kernel_s`);
+- `loop_iterations`: `while` iterations, each a fixed cost (`Efficiency.loop_iter_s`).
+
+`price(features, peak, hbm, eff)`: seconds = dot_flops / (peak x dot) + kernel_bytes / (hbm x
+memory) + elementwise_bytes / (hbm x elementwise) + kernels x kernel_s + loop_iterations x
+loop_iter_s, linear in the inverse efficiencies, which is what lets `benchmarks/calibrate.py`
+fit them by non-negative least squares on measured steps. Collectives are not priced here
+(`trn_accum.analysis.steptime`).
+
+Stdlib only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Mapping
+
+from trn_accum.analysis.collectives import COLLECTIVE_KINDS
+from trn_accum.analysis.hlo import HloModule, Instruction
+from trn_accum.analysis.hlo_text import names_in
+
+__all__ = ["FEATURES", "Efficiency", "op_features", "price"]
+
+FEATURES = ("dot_flops", "kernel_bytes", "elementwise_bytes", "kernels", "loop_iterations")
+
+#: Ops that compute nothing at run time (layout, bookkeeping, control).
+_FREE = frozenset(
+    {
+        "parameter",
+        "constant",
+        "tuple",
+        "get-tuple-element",
+        "bitcast",
+        "reshape",
+        "broadcast",
+        "iota",
+        "after-all",
+        "partition-id",
+        "replica-id",
+        "opt-barrier",
+        "call",
+        "conditional",
+        "while",
+        "domain",
+        "add-dependency",
+        "get-dimension-size",
+        "rng-get-and-update-state",
+    }
+)
+#: Memory-moving ops that stay kernels of their own: (bytes read + written) per run.
+_MOVES = frozenset({"transpose", "copy", "concatenate", "pad", "slice", "reverse"})
+_KERNELS = frozenset(
+    {
+        "dot",
+        "convolution",
+        "reduce",
+        "reduce-window",
+        "gather",
+        "scatter",
+        "dynamic-slice",
+        "dynamic-update-slice",
+        "sort",
+        "select-and-scatter",
+        "custom-call",
+        "fusion",
+        "fft",
+        "rng",
+        "rng-bit-generator",
+        "cholesky",
+        "triangular-solve",
+    }
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Efficiency:
+    """What a platform achieves: `dot` of peak on tile-padded dot FLOPs, `memory` of the HBM
+    bandwidth on kernel bytes, `elementwise` of it on elementwise result bytes, seconds per
+    kernel launch and per loop iteration; `tile`: the matrix unit's side; `source`: where the
+    values come from (fitted rows or a document)."""
+
+    dot: float
+    memory: float
+    elementwise: float
+    kernel_s: float
+    loop_iter_s: float
+    tile: int = 128
+    source: str = ""
+
+    def coefficients(self, peak_flops: float, hbm_bytes_s: float) -> dict[str, float]:
+        """Seconds per unit of each of `FEATURES`."""
+        return {
+            "dot_flops": 1.0 / (peak_flops * self.dot),
+            "kernel_bytes": 1.0 / (hbm_bytes_s * self.memory),
+            "elementwise_bytes": 1.0 / (hbm_bytes_s * self.elementwise),
+            "kernels": self.kernel_s,
+            "loop_iterations": self.loop_iter_s,
+        }
+
+    @classmethod
+    def from_coefficients(
+        cls, c: Mapping[str, float], peak_flops: float, hbm_bytes_s: float, **kw
+    ) -> Efficiency:
+        """The inverse of `coefficients` (a zero coefficient: efficiency 1e9, i.e. free)."""
+
+        def inv(x: float, scale: float) -> float:
+            return 1e9 if x <= 0 else 1.0 / (x * scale)
+
+        return cls(
+            dot=inv(c["dot_flops"], peak_flops),
+            memory=inv(c["kernel_bytes"], hbm_bytes_s),
+            elementwise=inv(c["elementwise_bytes"], hbm_bytes_s),
+            kernel_s=c["kernels"],
+            loop_iter_s=c["loop_iterations"],
+            **kw,
+        )
+
+
+def _padded(n: int, tile: int) -> int:
+    return max(tile, math.ceil(n / tile) * tile) if n > 0 else 0
+
+
+def _dims(ins: Instruction, key: str) -> list[int]:
+    return [int(x) for x in re.findall(r"\d+", ins.attrs.get(key, ""))]
+
+
+def dot_padded_flops(module: HloModule, ins: Instruction, tile: int) -> float:
+    """2 x batch x M x N x K of one dot, M, N and K each padded to `tile` (0 if the operand
+    shapes are unknown)."""
+    ops = module.operand_instructions(ins)
+    if not ops or not ops[0].shapes or not ins.shapes:
+        return 0.0
+    lhs = ops[0].shapes[0].dims
+    batch = math.prod(lhs[i] for i in _dims(ins, "lhs_batch_dims") if i < len(lhs))
+    k = math.prod(lhs[i] for i in _dims(ins, "lhs_contracting_dims") if i < len(lhs))
+    m = math.prod(lhs) // max(1, batch * k)
+    n = ins.shapes[0].size // max(1, batch * m)
+    return 2.0 * batch * _padded(m, tile) * _padded(n, tile) * _padded(k, tile)
+
+
+def _operand_bytes(module: HloModule, ins: Instruction) -> int:
+    return sum(o.result_bytes for o in module.operand_instructions(ins))
+
+
+def _kind(opcode: str) -> str | None:
+    base = opcode.removesuffix("-start").removesuffix("-done")
+    return base if base in COLLECTIVE_KINDS else None
+
+
+def _applied(module: HloModule) -> frozenset[str]:
+    """Computations that run inside another op (reducers, comparators, scatter combiners,
+    fusion bodies): their instructions are that op's, not kernels of their own."""
+    names: set[str] = set()
+    for ins in module.instructions():
+        for key in ("to_apply", "select", "scatter", "calls", "comparator"):
+            if key in ins.attrs and ins.opcode not in ("call", "async-start"):
+                names.update(names_in(ins.attrs[key], bare_ok=True))
+    return frozenset(module.reachable_from(*names)) if names else frozenset()
+
+
+def op_features(module: HloModule, tile: int = 128) -> dict[str, float]:
+    """The `FEATURES` of one step of `module` per device (see the module docstring); plus
+    "unknown_trips": ops in loops of unknown trip count (counted once)."""
+    out = dict.fromkeys(FEATURES, 0.0)
+    unknown = 0
+    inner = _applied(module)
+    for ins in module.instructions():
+        op = ins.opcode
+        if (op in _FREE and op != "while") or ins.computation in inner:
+            continue
+        mult = module.trip_multiplier(ins.computation)
+        if mult is None:
+            unknown += 1
+            mult = 1
+        if op == "while":
+            trips = ins.trip_count or module.counted_trips(ins)
+            out["loop_iterations"] += mult * (trips or 1)
+            continue
+        if _kind(op) is not None or op.endswith("-done") or op == "async-done":
+            continue  # collectives: trn_accum.analysis.steptime
+        if op in ("dot", "convolution"):
+            out["dot_flops"] += mult * dot_padded_flops(module, ins, tile)
+        elif op in ("reduce", "reduce-window", "sort"):
+            out["kernel_bytes"] += mult * (_operand_bytes(module, ins) + ins.result_bytes)
+        elif op in ("dynamic-update-slice", "scatter", "select-and-scatter"):
+            upd = module.operand_instructions(ins)[1:2] if op == "dynamic-update-slice" else ()
+            moved = upd[0].result_bytes if upd else ins.result_bytes
+            out["kernel_bytes"] += mult * 2 * moved
+        elif op in ("gather", "dynamic-slice", "custom-call", "fusion") or op in _MOVES:
+            out["kernel_bytes"] += mult * 2 * ins.result_bytes
+        else:
+            out["elementwise_bytes"] += mult * ins.result_bytes
+        if op in _KERNELS:
+            out["kernels"] += mult
+    out["unknown_trips"] = unknown
+    return out
+
+
+def price(
+    features: Mapping[str, float], peak_flops: float, hbm_bytes_s: float, eff: Efficiency
+) -> dict[str, float]:
+    """{feature: seconds} of `features` at `eff` and "total_s"."""
+    coef = eff.coefficients(peak_flops, hbm_bytes_s)
+    out = {f"{f}_s": features.get(f, 0.0) * coef[f] for f in FEATURES}
+    out["total_s"] = sum(out.values())
+    return out
