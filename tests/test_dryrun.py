@@ -229,12 +229,12 @@ def test_fit_by_accum_steps_for_one_node_and_the_config_node_count():
 def test_step_time_model_that_cannot_price_the_config_is_one_report_line(monkeypatch):
     """A config the trn2 candidate meshes do not divide (the tiny one): the dry-run's own
     results stand, and the step-time model is one line saying why it is missing."""
-    from trn_accum.plan import perfmodel
+    from trn_accum.plan import perfmodel, perfmodel_cli
 
     def cannot(*args, **kwargs):
         raise perfmodel.StepTimeError("the step-time model could not price this config: nope")
 
-    monkeypatch.setattr(perfmodel, "run_in_subprocess", cannot)
+    monkeypatch.setattr(perfmodel_cli, "run_in_subprocess", cannot)
     rep = dryrun.run(TINY, step_time=True)
     msg = "the step-time model could not price this config: nope"
     assert rep["blockers"] == [] and rep["step_time"] == {"error": msg}

@@ -56,9 +56,10 @@ def test_features_of_a_loop_read_its_trip_count_from_the_condition():
     assert f["dot_flops"] == 3 * 2 * 128 * 384 * 256
     # reduce: operand 100 x 300 f32 and its f32 init read + 100 f32 written; 3 trips
     assert f["kernel_bytes"] == 3 * (100 * 300 * 4 + 4 + 100 * 4)
-    # elementwise: the f32 [100, 300] add, the s32 counter add and the condition's compare
-    # (pred, 1 byte), each trip; the reducer's scalar add is the reduce's
-    assert f["elementwise_bytes"] == 3 * (100 * 300 * 4 + 4 + 1)
+    # elementwise in the loop: the f32 [100, 300] add, the s32 counter add and the condition's
+    # compare (pred, 1 byte), each trip; the reducer's scalar add is the reduce's; none outside
+    assert f["loop_elementwise_bytes"] == 3 * (100 * 300 * 4 + 4 + 1)
+    assert f["elementwise_bytes"] == 0
     assert f["kernels"] == 3 * 2  # the dot and the reduce
     assert f["loop_iterations"] == 3 and f["unknown_trips"] == 0
 
@@ -68,15 +69,19 @@ def test_price_is_linear_in_the_inverse_efficiencies():
         "dot_flops": 2e12,
         "kernel_bytes": 1e9,
         "elementwise_bytes": 4e9,
+        "loop_elementwise_bytes": 2e9,
         "kernels": 100,
         "loop_iterations": 10,
     }
-    eff = pricing.Efficiency(dot=0.5, memory=0.5, elementwise=0.25, kernel_s=1e-5, loop_iter_s=1e-4)
+    eff = pricing.Efficiency(
+        dot=0.5, memory=0.5, elementwise=0.25, loop_elementwise=2.0, kernel_s=1e-5, loop_iter_s=1e-4
+    )
     got = pricing.price(feats, peak_flops=1e12, hbm_bytes_s=1e9, eff=eff)
     assert got["dot_flops_s"] == pytest.approx(4.0)
     assert got["kernel_bytes_s"] == pytest.approx(2.0)
     assert got["elementwise_bytes_s"] == pytest.approx(16.0)
-    assert got["total_s"] == pytest.approx(4 + 2 + 16 + 1e-3 + 1e-3)
+    assert got["loop_elementwise_bytes_s"] == pytest.approx(1.0)
+    assert got["total_s"] == pytest.approx(4 + 2 + 16 + 1 + 1e-3 + 1e-3)
     back = pricing.Efficiency.from_coefficients(eff.coefficients(1e12, 1e9), 1e12, 1e9)
     assert back.dot == pytest.approx(0.5) and back.elementwise == pytest.approx(0.25)
 

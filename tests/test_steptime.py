@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from trn_accum.analysis import recommend as rec
-from trn_accum.analysis import steptime
+from trn_accum.analysis import stepsummary, steptime
 from trn_accum.analysis.pricing import FEATURES
 from trn_accum.core.sharding import resolve_axes
 from trn_accum.neuron import platform
@@ -90,7 +90,7 @@ def test_compiled_program_bytes_links_and_trips():
         ("all-reduce", ("data",), "efa", 3, 512, 3 * 512.0),
         ("all-reduce", ("model",), "chip", 3, 128, 3 * 128.0),
     ]
-    s = steptime.summarize(
+    s = stepsummary.summarize(
         costs, flops_per_step=100.0, peak_flops=10.0, tokens_per_step=50.0, accum_steps=3
     )
     assert s["by_link"]["efa"] == {"wire_bytes": 1536.0, "time_s": 3 * (51.2 + 2.0), "count": 1}
@@ -119,7 +119,7 @@ def _summary(efa_bytes, node_bytes, efa_s, compute=1.0):
         "node": {"wire_bytes": node_bytes, "time_s": 0.5, "count": 1},
         "efa": {"wire_bytes": efa_bytes, "time_s": efa_s, "count": 1},
     }
-    return steptime._bounds(
+    return stepsummary.bounds(
         {
             "by_link": by_link,
             "by_axes": {},
@@ -168,7 +168,7 @@ def test_recommend_without_headroom_band_is_the_fastest(monkeypatch):
 
 def test_extrapolate_summary_per_layer():
     s2, s3 = _summary(100.0, 1000.0, 1.0), _summary(150.0, 1000.0, 1.5)
-    s = steptime.extrapolate_summary({2: s2, 3: s3}, 28)
+    s = stepsummary.extrapolate_summary({2: s2, 3: s3}, 28)
     assert s["by_link"]["efa"]["wire_bytes"] == 150.0 + 50.0 * 25
     assert s["by_link"]["efa"]["time_s"] == pytest.approx(1.5 + 0.5 * 25)
     assert s["by_link"]["node"]["wire_bytes"] == 1000.0

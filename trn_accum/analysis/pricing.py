@@ -11,18 +11,22 @@ five features (`op_features`), per device and step:
 - `kernel_bytes`: HBM bytes of the ops that stay kernels of their own after fusion and move
   memory: reductions (operand bytes), gathers, scatters, dynamic slices and updates, sorts,
   transposes, copies, concatenations, pads and slices (bytes read + written);
-- `elementwise_bytes`: result bytes of elementwise ops (add, convert, exp, select, ...); a
-  backend fuses most of them, so their achieved rate (`Efficiency.elementwise`) is a fitted
-  fraction of the HBM bandwidth that folds the fusion in;
+- `elementwise_bytes` / `loop_elementwise_bytes`: result bytes of elementwise ops (add,
+  convert, exp, select, ...) outside / inside `while` loops; a backend fuses most of them, so
+  their achieved rates (`Efficiency.elementwise`, `.loop_elementwise`) are fitted multiples of
+  the HBM bandwidth that fold the fusion in (above 1: fewer bytes reach HBM than the unfused
+  ops write). Apart because fusion differs: straight-line code (the optimizer update, a step
+  without accumulation loop) fuses long chains, a loop body (the accumulation, blockwise
+  attention, loss chunks) only within one iteration;
 - `kernels`: launches of ops that are kernels of their own (dots, reductions, gathers,
   scatters, dynamic slices, sorts, custom calls), each a fixed cost (`Efficiency.kernel_s`);
 - `loop_iterations`: `while` iterations, each a fixed cost (`Efficiency.loop_iter_s`).
 
 `price(features, peak, hbm, eff)`: seconds = dot_flops / (peak x dot) + kernel_bytes / (hbm x
-memory) + elementwise_bytes / (hbm x elementwise) + kernels x kernel_s + loop_iterations x
-loop_iter_s, linear in the inverse efficiencies, which is what lets `benchmarks/calibrate.py`
-fit them by non-negative least squares on measured steps. Collectives are not priced here
-(`trn_accum.analysis.steptime`).
+memory) + elementwise_bytes / (hbm x elementwise) + loop_elementwise_bytes / (hbm x
+loop_elementwise) + kernels x kernel_s + loop_iterations x loop_iter_s, linear in the inverse
+efficiencies, which is what lets `benchmarks/calibrate.py` fit them by non-negative least
+squares on measured steps. Collectives are not priced here (`trn_accum.analysis.steptime`).
 
 Stdlib only.
 """
@@ -40,7 +44,14 @@ from trn_accum.analysis.hlo_text import names_in
 
 __all__ = ["FEATURES", "Efficiency", "op_features", "price"]
 
-FEATURES = ("dot_flops", "kernel_bytes", "elementwise_bytes", "kernels", "loop_iterations")
+FEATURES = (
+    "dot_flops",
+    "kernel_bytes",
+    "elementwise_bytes",
+    "loop_elementwise_bytes",
+    "kernels",
+    "loop_iterations",
+)
 
 #: Ops that compute nothing at run time (layout, bookkeeping, control).
 _FREE = frozenset(
@@ -94,13 +105,15 @@ _KERNELS = frozenset(
 @dataclasses.dataclass(frozen=True)
 class Efficiency:
     """What a platform achieves: `dot` of peak on tile-padded dot FLOPs, `memory` of the HBM
-    bandwidth on kernel bytes, `elementwise` of it on elementwise result bytes, seconds per
+    bandwidth on kernel bytes, `elementwise` / `loop_elementwise` of it on elementwise result
+    bytes outside / inside loops, seconds per
     kernel launch and per loop iteration; `tile`: the matrix unit's side; `source`: where the
     values come from (fitted rows or a document)."""
 
     dot: float
     memory: float
     elementwise: float
+    loop_elementwise: float
     kernel_s: float
     loop_iter_s: float
     tile: int = 128
@@ -112,6 +125,7 @@ class Efficiency:
             "dot_flops": 1.0 / (peak_flops * self.dot),
             "kernel_bytes": 1.0 / (hbm_bytes_s * self.memory),
             "elementwise_bytes": 1.0 / (hbm_bytes_s * self.elementwise),
+            "loop_elementwise_bytes": 1.0 / (hbm_bytes_s * self.loop_elementwise),
             "kernels": self.kernel_s,
             "loop_iterations": self.loop_iter_s,
         }
@@ -129,6 +143,7 @@ class Efficiency:
             dot=inv(c["dot_flops"], peak_flops),
             memory=inv(c["kernel_bytes"], hbm_bytes_s),
             elementwise=inv(c["elementwise_bytes"], hbm_bytes_s),
+            loop_elementwise=inv(c["loop_elementwise_bytes"], hbm_bytes_s),
             kernel_s=c["kernels"],
             loop_iter_s=c["loop_iterations"],
             **kw,
@@ -208,7 +223,8 @@ def op_features(module: HloModule, tile: int = 128) -> dict[str, float]:
         elif op in ("gather", "dynamic-slice", "custom-call", "fusion") or op in _MOVES:
             out["kernel_bytes"] += mult * 2 * ins.result_bytes
         else:
-            out["elementwise_bytes"] += mult * ins.result_bytes
+            key = "loop_elementwise_bytes" if module.in_loop(ins) else "elementwise_bytes"
+            out[key] += mult * ins.result_bytes
         if op in _KERNELS:
             out["kernels"] += mult
     out["unknown_trips"] = unknown

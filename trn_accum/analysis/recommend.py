@@ -6,7 +6,7 @@ model.remat (None: the config's; the other policies are tried on the fastest can
 grid (`candidate_grid`) takes, per (mesh, nodes), the k that fit the memory budget (the
 analytic `trn_accum.analysis.memory.fit_by_steps`, smallest first; at most `k_limit` of them:
 compute is the same for every k and a larger k only adds per-minibatch parameter traffic) and
-both reduce modes. Nothing is compiled here: each candidate's `steptime.summarize` output comes
+both reduce modes. Nothing is compiled here: each candidate's `stepsummary.summarize` output comes
 from the caller (`trn_accum.plan.perfmodel` compiles them).
 
 `recommend` picks, among the candidates that fit at the chosen node count, the lowest

@@ -53,7 +53,7 @@ from trn_accum.core.sharding import resolve_axes, split_minibatches
 from trn_accum.errors import UserError, one_line
 from trn_accum.model import fuji
 from trn_accum.neuron import kernels, platform, preflight
-from trn_accum.plan import perfmodel, steptime_report
+from trn_accum.plan import perfmodel, perfmodel_cli, steptime_report
 from trn_accum.train import autok, step
 from trn_accum.train.config import load_config
 
@@ -115,7 +115,7 @@ def run(
     report["substitutions"] = subs
     if step_time:
         try:
-            report["step_time"] = perfmodel.run_in_subprocess(
+            report["step_time"] = perfmodel_cli.run_in_subprocess(
                 config_path,
                 overrides,
                 report["nodes"],

@@ -13,32 +13,25 @@ over, so the groups over "data" (hybrid) or over "fsdp" (reference) are priced a
 from a program where they span 2.
 
 Deeper than `max(depths)` layers, each program is compiled at the two `depths` and the
-summaries extrapolated per layer (`steptime.extrapolate_summary`, the line of
+summaries extrapolated per layer (`stepsummary.extrapolate_summary`, the line of
 `trn_accum.analysis.autotune.extrapolate`). Memory fit per candidate is analytic
 (`trn_accum.analysis.memory.fit_by_steps`, state sharded on the full mesh).
 
-`run_in_subprocess` runs `explore` in a fresh process with enough emulated devices
-(`python -m trn_accum.plan.perfmodel`, JSON on stdout): the dry-run's own process has the
-devices of one node only.
+`trn_accum.plan.perfmodel_cli.run_in_subprocess` runs `explore` in a fresh process with enough
+emulated devices: the dry-run's own process has the devices of one node only.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
-import json
-import os
-import re
-import subprocess
-import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 
-from trn_accum.analysis import platforms, pricing, steptime
+from trn_accum.analysis import platforms, pricing, stepsummary, steptime
 from trn_accum.analysis import recommend as rec
 from trn_accum.analysis.autotune import extrapolate
 from trn_accum.analysis.hlo import dot_flops
@@ -56,7 +49,6 @@ from trn_accum.errors import UserError
 from trn_accum.model import fuji
 from trn_accum.neuron import platform
 from trn_accum.train import step as step_lib
-from trn_accum.train.config import load_config
 
 DEFAULT_DEPTHS = (2, 3)
 EMULATE_NODES = 2
@@ -178,16 +170,17 @@ def predict(
         # weak scaling: every device runs the same per-device program at any node count
         executed = dot_flops(module)["with_trips"] * per_node * nodes
         fl_d = step_lib.flops_per_step(_with(cfg, layers=d)) if len(at) == 2 else fl
-        by_depth[d] = steptime.summarize(
+        by_depth[d] = stepsummary.summarize(
             costs, flops_per_step=fl_d["total"], peak_flops=peak, tokens_per_step=fl["tokens"],
             accum_steps=k, flops_executed_per_step=executed, ops=ops,
             comm_predicted_s=sum(c.time_s for c in comm_achieved),
+            overlap=plat.overlap,
         )  # fmt: skip
     if len(at) == 1:
         out = by_depth[layers]
     else:
-        out = steptime.extrapolate_summary(by_depth, layers)
-        out = steptime._bounds(
+        out = stepsummary.extrapolate_summary(by_depth, layers)
+        out = stepsummary.bounds(
             out, fl["total"], peak, fl["tokens"], out["flops_executed_per_step"]
         )  # useful FLOPs of the full depth
     memory = None
@@ -200,7 +193,7 @@ def predict(
         "compile_s": round(secs, 2),
         "target_mesh": target,
         "mesh_shape": resolve_axes(cfg.mesh.axes(), per_node) if nodes > 1 else target,
-        "trips": steptime.trip_counts(module),
+        "trips": stepsummary.trip_counts(module),
         "memory_bytes": memory,
     }
 
@@ -389,64 +382,3 @@ def scale_table(cfg, nodes: int, node_counts: Sequence[int], **kw) -> list[dict[
 class StepTimeError(UserError):
     """The step-time model could not compile or price the config (e.g. a mesh or batch that
     the trn2 candidate meshes do not divide); the dry-run reports it and goes on."""
-
-
-def run_in_subprocess(
-    config_path: str,
-    overrides: Sequence[str],
-    nodes: int,
-    meshes: Sequence[str] | None = None,
-    *,
-    platform_name: str = platforms.DEFAULT,
-    devices_per_node: int | None = None,
-) -> dict[str, Any]:
-    """`explore` of the config on `platform_name` (nodes of `devices_per_node` devices,
-    default the platform's) in a fresh process with enough emulated CPU devices; candidates
-    on the `meshes` named (of `recommend.MESHES`; None = all)."""
-    plat = platforms.get(platform_name)
-    per_node = plat.devices_per_node if devices_per_node is None else devices_per_node
-    n = per_node * min(nodes, EMULATE_NODES)
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", ""))
-    env["XLA_FLAGS"] = (
-        f"{flags} --xla_force_host_platform_device_count={n} "
-        "--xla_cpu_enable_concurrency_optimized_scheduler=false"
-    ).strip()
-    cmd = [sys.executable, "-m", "trn_accum.plan.perfmodel", "--config", config_path,
-           "--nodes", str(nodes)] + [
-        a for o in overrides for a in ("--set", o)]  # fmt: skip
-    if meshes:
-        cmd += ["--meshes", ",".join(meshes)]
-    cmd += ["--platform", plat.name, "--devices-per-node", str(per_node)]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-    if out.returncode:
-        lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
-        last = lines[-1] if lines else f"exit {out.returncode}"
-        raise StepTimeError(f"the step-time model could not price this config: {last}")
-    return json.loads(out.stdout)
-
-
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m trn_accum.plan.perfmodel")
-    p.add_argument("--config", required=True)
-    p.add_argument("--set", dest="overrides", action="append", default=[])
-    p.add_argument("--nodes", type=int, default=None)
-    p.add_argument("--meshes", default=None, help="comma-separated names of recommend.MESHES")
-    p.add_argument("--platform", default=platforms.DEFAULT, choices=sorted(platforms.PLATFORMS))
-    p.add_argument("--devices-per-node", type=int, default=None)
-    a = p.parse_args(argv)
-    plat = platforms.get(a.platform)
-    layout = steptime.Layout.of(plat, devices_per_node=a.devices_per_node)
-    cfg = load_config(a.config, a.overrides)
-    nodes = cfg.mesh.nodes if a.nodes is None else a.nodes
-    if not isinstance(cfg.trainer.accum_steps, int):
-        fits = fitting_k(cfg, cfg.mesh.axes(), nodes, layout)["accum_steps"]
-        cfg = _with(cfg, k=fits or 1)
-    meshes = None if a.meshes is None else {m: rec.MESHES[m] for m in a.meshes.split(",")}
-    report = explore(cfg, nodes=nodes, layout=layout, meshes=meshes, plat=plat)
-    print(json.dumps(report, default=str))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -43,7 +43,7 @@ def format_lines(st: dict[str, Any]) -> list[str]:
         f"{s['tokens_per_s'][1]:.4g}; MFU (useful FLOPs) {s['mfu'][0]:.1%}-{s['mfu'][1]:.1%}",
         f"  predicted step {s['predicted_step_s']:.4g} s (MFU {s['predicted_mfu']:.1%}): ops "
         f"{s['ops']['total_s']:.4g} s (dots {s['ops']['dot_flops_s']:.4g}, memory-bound "
-        f"{s['ops']['kernel_bytes_s'] + s['ops']['elementwise_bytes_s']:.4g}, launches "
+        f"{sum(v for k, v in s['ops'].items() if k.endswith('bytes_s')):.4g}, launches "
         f"{s['ops']['kernels_s']:.4g}, loop iterations {s['ops']['loop_iterations_s']:.4g}) + "
         f"collectives on achieved links {s['comm_predicted_s']:.4g} s, no overlap "
         "(trn_accum/analysis/platforms.py); compiled footprint "

@@ -1,0 +1,81 @@
+"""`explore` of a config in its own process (`python -m trn_accum.plan.perfmodel_cli`, JSON on
+stdout), with as many emulated CPU devices as its nodes need: the dry-run's own process has the
+devices of one node only. `run_in_subprocess` starts it and turns a failure into one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from trn_accum.analysis import platforms, steptime
+from trn_accum.analysis import recommend as rec
+from trn_accum.plan.perfmodel import EMULATE_NODES, StepTimeError, _with, explore, fitting_k
+from trn_accum.train.config import load_config
+
+
+def run_in_subprocess(
+    config_path: str,
+    overrides: Sequence[str],
+    nodes: int,
+    meshes: Sequence[str] | None = None,
+    *,
+    platform_name: str = platforms.DEFAULT,
+    devices_per_node: int | None = None,
+) -> dict[str, Any]:
+    """`explore` of the config on `platform_name` (nodes of `devices_per_node` devices,
+    default the platform's) in a fresh process with enough emulated CPU devices; candidates
+    on the `meshes` named (of `recommend.MESHES`; None = all)."""
+    plat = platforms.get(platform_name)
+    per_node = plat.devices_per_node if devices_per_node is None else devices_per_node
+    n = per_node * min(nodes, EMULATE_NODES)
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", ""))
+    env["XLA_FLAGS"] = (
+        f"{flags} --xla_force_host_platform_device_count={n} "
+        "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+    ).strip()
+    cmd = [sys.executable, "-m", "trn_accum.plan.perfmodel_cli", "--config", config_path,
+           "--nodes", str(nodes)] + [
+        a for o in overrides for a in ("--set", o)]  # fmt: skip
+    if meshes:
+        cmd += ["--meshes", ",".join(meshes)]
+    cmd += ["--platform", plat.name, "--devices-per-node", str(per_node)]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    if out.returncode:
+        lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
+        last = lines[-1] if lines else f"exit {out.returncode}"
+        raise StepTimeError(f"the step-time model could not price this config: {last}")
+    return json.loads(out.stdout)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m trn_accum.plan.perfmodel_cli")
+    p.add_argument("--config", required=True)
+    p.add_argument("--set", dest="overrides", action="append", default=[])
+    p.add_argument("--nodes", type=int, default=None)
+    p.add_argument("--meshes", default=None, help="comma-separated names of recommend.MESHES")
+    p.add_argument("--platform", default=platforms.DEFAULT, choices=sorted(platforms.PLATFORMS))
+    p.add_argument("--devices-per-node", type=int, default=None)
+    a = p.parse_args(argv)
+    plat = platforms.get(a.platform)
+    layout = steptime.Layout.of(plat, devices_per_node=a.devices_per_node)
+    cfg = load_config(a.config, a.overrides)
+    nodes = cfg.mesh.nodes if a.nodes is None else a.nodes
+    if not isinstance(cfg.trainer.accum_steps, int):
+        fits = fitting_k(cfg, cfg.mesh.axes(), nodes, layout)["accum_steps"]
+        cfg = _with(cfg, k=fits or 1)
+    meshes = None if a.meshes is None else {m: rec.MESHES[m] for m in a.meshes.split(",")}
+    report = explore(cfg, nodes=nodes, layout=layout, meshes=meshes, plat=plat)
+    print(json.dumps(report, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
