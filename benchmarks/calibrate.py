@@ -1,0 +1,234 @@
+"""The step-time model against measured steps: benchmarks/calibration.json, recomputed.
+
+Every row of the table has a config, a platform, a measured step time with where it comes from
+(a command run on our trainer, or a published figure with its URL), the command that prints
+the model's prediction, and a role: "fitted" (its measurement set a constant of
+`trn_accum/analysis/platforms.py`) or "predicted" (it did not).
+
+    python benchmarks/calibrate.py                 # rerun every row's prediction, rewrite the file
+    python benchmarks/calibrate.py --rows NAME,..  # only these rows
+    python benchmarks/calibrate.py --fit tpu-v5e   # print that platform's efficiencies fitted
+                                                   # on its "fitted" rows (stored features)
+    python benchmarks/calibrate.py --fit trn2 --free overlap   # its overlap instead
+    python benchmarks/calibrate.py --reprice       # predictions from the stored features at
+                                                   # the constants now in platforms.py
+    python benchmarks/calibrate.py --predict NAME  # one row's prediction as JSON (its command)
+
+A TPU row's prediction is `trn-accum dry-run --config C --platform tpu-v5e --devices 1 --json`
+(step_time.config.summary.predicted_step_s). A Trainium row's is `--predict NAME`: the model of
+the config alone at its node count (`trn_accum.plan.perfmodel.predict`, compiled at 2 and 3
+layers on at most 2 emulated nodes and extrapolated), without the dry-run's candidate sweep,
+which at 64 nodes of a 70B model would compile for hours on a laptop.
+
+The fit: a prediction is linear in the inverse efficiencies (`trn_accum.analysis.pricing`), so
+the free ones are the non-negative least-squares solution over the fitted rows' features
+(scipy.optimize.nnls); the others keep their values. It prints the constants to put in
+platforms.py; `--reprice` then rewrites the predictions from the stored features, which is
+what the commands print (tests/test_calibration.py reruns the cheapest row to check).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TABLE = ROOT / "benchmarks" / "calibration.json"
+TARGET_PCT = 25.0
+
+
+def load(path: pathlib.Path = TABLE) -> dict:
+    return json.loads(path.read_text())
+
+
+def error_pct(predicted: float, measured: float) -> float:
+    return round(100.0 * (predicted - measured) / measured, 1)
+
+
+def _summary_of_dry_run(stdout: str) -> dict:
+    report = json.loads(stdout)
+    st = report["step_time"]
+    if "error" in st:
+        raise RuntimeError(st["error"])
+    return st["config"]["summary"]
+
+
+def run_row(row: dict) -> dict:
+    """The row's prediction command run here: the summary it prints."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    cmd = row["predict_command"].split()
+    if cmd[0] == "trn-accum":
+        cmd = [sys.executable, "-m", "trn_accum.cli", *cmd[1:]]
+        out = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, check=True)
+        return _summary_of_dry_run(out.stdout)
+    cmd = [sys.executable if c == "python" else c for c in cmd]
+    out = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)
+
+
+def predict_here(row: dict) -> dict:
+    """`perfmodel.predict` of the row's config on its platform and node count (this process
+    must have the emulated devices: `predict_in_subprocess`)."""
+    from trn_accum.analysis import platforms, steptime
+    from trn_accum.plan import perfmodel
+    from trn_accum.train.config import load_config
+
+    plat = platforms.get(row["platform"])
+    cfg = load_config(str(ROOT / row["config"]), row.get("overrides", []))
+    layout = steptime.Layout.of(plat)
+    return perfmodel.predict(cfg, nodes=row["nodes"], layout=layout, plat=plat)
+
+
+def predict_in_subprocess(name: str) -> int:
+    from trn_accum.analysis import platforms
+    from trn_accum.plan.perfmodel import EMULATE_NODES
+
+    row = {r["name"]: r for r in load()["rows"]}[name]
+    n = platforms.get(row["platform"]).devices_per_node * min(row["nodes"], EMULATE_NODES)
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", ""))
+    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+    env["TRN_ACCUM_CALIBRATE_CHILD"] = "1"
+    cmd = [sys.executable, __file__, "--predict", name]
+    return subprocess.call(cmd, env=env, cwd=ROOT)
+
+
+def _fit_overlap(rows: list[dict], plat) -> float:
+    """The overlap that makes the fitted rows' mean prediction their measurement:
+    measured = ops + comm - overlap x min(ops, comm), clipped to [0, 1]."""
+    got = []
+    for r in rows:
+        ops = price_row(r, plat)
+        hidden = min(ops, r["comm_predicted_s"])
+        got.append((ops + r["comm_predicted_s"] - r["measured_s"]) / hidden if hidden else 0.0)
+    return min(1.0, max(0.0, sum(got) / len(got)))
+
+
+def fit(table: dict, platform_name: str, free: list[str]) -> None:
+    """Print the constants of `platform_name` fitted on its "fitted" rows (stored features):
+    the `free` efficiencies by non-negative least squares (with the platform's overlap: the
+    rows' ops taken as the longer of ops and collectives when overlap is 1), or with free =
+    ["overlap"] the overlap. Put them in platforms.py, then `--reprice`."""
+    import numpy as np
+    from scipy.optimize import nnls
+
+    from trn_accum.analysis import platforms, pricing
+
+    plat = platforms.get(platform_name)
+    fitted = [r for r in table["rows"] if r["platform"] == platform_name and r["role"] == "fitted"]
+    if not fitted or any("features" not in r for r in fitted):
+        raise SystemExit(f"{platform_name}: run its fitted rows first (no stored features)")
+    if free == ["overlap"]:
+        print(f"{platform_name}: overlap={_fit_overlap(fitted, plat):.4g}")
+        return
+    coef = plat.efficiency.coefficients(plat.peak_flops, plat.hbm_bytes_s)
+    a = np.array([[r["features"].get(f, 0.0) for f in free] for r in fitted], dtype=float)
+    fixed = [f for f in pricing.FEATURES if f not in free]
+    b = np.array(
+        [
+            r["measured_s"]
+            - (1.0 - plat.overlap) * r["comm_predicted_s"]
+            - sum(r["features"][f] * coef[f] for f in fixed)
+            for r in fitted
+        ]
+    )
+    scale = a.max(axis=0)
+    scale[scale == 0] = 1.0
+    x, _ = nnls(a / scale, b)
+    coef.update({f: float(v / s) for f, v, s in zip(free, x, scale, strict=True)})
+    eff = pricing.Efficiency.from_coefficients(coef, plat.peak_flops, plat.hbm_bytes_s)
+    print(
+        f"{platform_name}: Efficiency(dot={eff.dot:.4g}, memory={eff.memory:.4g}, "
+        f"elementwise={eff.elementwise:.4g}, loop_elementwise={eff.loop_elementwise:.4g}, "
+        f"kernel_s={eff.kernel_s:.4g}, "
+        f"loop_iter_s={eff.loop_iter_s:.4g})"
+    )
+
+
+def price_row(row: dict, plat) -> float:
+    """The ops seconds of a row's stored features at `plat`'s efficiencies."""
+    from trn_accum.analysis import pricing
+
+    return pricing.price(row["features"], plat.peak_flops, plat.hbm_bytes_s, plat.efficiency)[
+        "total_s"
+    ]
+
+
+def reprice(table: dict) -> None:
+    """Every row's prediction from its stored features and collectives at the constants now in
+    platforms.py (what its command prints: pricing is linear, no compile needed)."""
+    from trn_accum.analysis import platforms
+
+    for r in table["rows"]:
+        if "features" not in r:
+            continue
+        plat = platforms.get(r["platform"])
+        ops, comm = price_row(r, plat), r["comm_predicted_s"]
+        r["predicted_s"] = round(ops + comm - plat.overlap * min(ops, comm), 4)
+        r["error_pct"] = error_pct(r["predicted_s"], r["measured_s"])
+        print(
+            f"{r['name']:<40} measured {r['measured_s']:8.4f} predicted {r['predicted_s']:8.4f}"
+            f" ({r['error_pct']:+.1f} %, {r['role']})"
+        )
+
+
+def refresh(table: dict, names: list[str] | None) -> None:
+    from trn_accum.analysis.pricing import FEATURES
+
+    for r in table["rows"]:
+        if names and r["name"] not in names:
+            continue
+        s = run_row(r)
+        r["predicted_s"] = round(s["predicted_step_s"], 4)
+        r["floor_s"] = round(s["step_s_no_overlap"], 4)
+        r["error_pct"] = error_pct(r["predicted_s"], r["measured_s"])
+        r["features"] = {k: s["ops"][k] for k in FEATURES}
+        r["comm_predicted_s"] = s["comm_predicted_s"]
+        print(
+            f"{r['name']:<40} measured {r['measured_s']:8.4f} predicted {r['predicted_s']:8.4f}"
+            f" ({r['error_pct']:+.1f} %, {r['role']})",
+            flush=True,
+        )
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python benchmarks/calibrate.py")
+    p.add_argument("--rows", default=None, help="comma-separated row names (default: all)")
+    p.add_argument("--fit", default=None, metavar="PLATFORM")
+    p.add_argument(
+        "--free",
+        default="dot_flops,kernel_bytes,elementwise_bytes,loop_elementwise_bytes",
+        help="the features whose coefficients --fit sets",
+    )
+    p.add_argument("--predict", default=None, metavar="NAME")
+    p.add_argument("--reprice", action="store_true", help="predictions from stored features")
+    a = p.parse_args(argv)
+    sys.path.insert(0, str(ROOT))
+    if a.predict:
+        if not os.environ.get("TRN_ACCUM_CALIBRATE_CHILD"):
+            return predict_in_subprocess(a.predict)
+        row = {r["name"]: r for r in load()["rows"]}[a.predict]
+        print(json.dumps(predict_here(row), default=str))
+        return 0
+    table = load()
+    if a.fit:
+        fit(table, a.fit, a.free.split(","))
+        return 0
+    if a.reprice:
+        reprice(table)
+    else:
+        refresh(table, None if a.rows is None else a.rows.split(","))
+    bad = [r["name"] for r in table["rows"] if abs(r.get("error_pct", 1e9)) > TARGET_PCT]
+    TABLE.write_text(json.dumps(table, indent=1) + "\n")
+    print(f"rows outside +-{TARGET_PCT:g} %: {bad or 'none'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
