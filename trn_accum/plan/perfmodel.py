@@ -1,21 +1,25 @@
-"""The step-time model of a config on trn2, from compiled programs (`trn-accum dry-run
---step-time`).
+"""The step-time model of a config on a platform (`trn_accum.analysis.platforms`; trn2 by
+default), from compiled programs (`trn-accum dry-run --step-time`).
 
 For the config and each candidate of `trn_accum.analysis.recommend` (mesh hybrid / reference,
 nodes = the config's and 1, k over the values that fit, reduce both ways) this compiles the
-real train step (`trn_accum.train.step.build_step`, abstract state and batch) on
-`min(nodes, emulate_nodes)` emulated nodes of `layout.devices_per_node` CPU devices each, with
-the per-device batch of the real run, prices its collectives on the full mesh
-(`trn_accum.analysis.steptime`: the axes' real sizes, the trn2 link of each group) and adds
-analytic compute at peak (`step.flops_per_step`, `platform.device_peak_flops`). Two emulated
-nodes are enough: a collective's full buffer does not depend on the size of the axes it runs
-over, so the groups over "data" (hybrid) or over "fsdp" (reference) are priced at 32 nodes
-from a program where they span 2.
+real train step (`trn_accum.train.step.build_step`, abstract state and batch, the attention
+the config ships) on `min(nodes, emulate_nodes)` emulated nodes of `layout.devices_per_node`
+CPU devices each, with the per-device batch of the real run, and reads the module right after
+XLA's SPMD partitioner (`trn_accum.analysis.partitioned`). The floor: its collectives priced
+on the full mesh's peak links (`trn_accum.analysis.steptime`: the axes' real sizes, the link
+of each group) and its dot FLOPs at peak. The prediction: every op priced at the platform's
+fitted efficiencies (`trn_accum.analysis.pricing`), collectives on its achieved links. Two
+emulated nodes are enough: a collective's full buffer does not depend on the size of the axes
+it runs over, so the groups over "data" (hybrid) or over "fsdp" (reference) are priced at 32
+nodes from a program where they span 2.
 
 Deeper than `max(depths)` layers, each program is compiled at the two `depths` and the
 summaries extrapolated per layer (`stepsummary.extrapolate_summary`, the line of
-`trn_accum.analysis.autotune.extrapolate`). Memory fit per candidate is analytic
-(`trn_accum.analysis.memory.fit_by_steps`, state sharded on the full mesh).
+`trn_accum.analysis.autotune.extrapolate`). The analytic memory estimate
+(`trn_accum.analysis.memory.fit_by_steps`) chooses which k to compile; a candidate fits by its
+own compiled footprint at full depth (`compiled_fits`). The global `_HLO` cache keeps one
+compile per program across the candidates and the scale table of one process.
 
 `trn_accum.plan.perfmodel_cli.run_in_subprocess` runs `explore` in a fresh process with enough
 emulated devices: the dry-run's own process has the devices of one node only.

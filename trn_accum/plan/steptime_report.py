@@ -50,9 +50,9 @@ def format_lines(st: dict[str, Any]) -> list[str]:
         f"{format_bytes(s['memory_bytes'] or 0)} per device, fits {c.get('fits')}",
         "  candidates (k whose analytic bytes fit: "
         + "; ".join(f"{key}: {ks}" for key, ks in st["fit_k"].items())
-        + "; fit = that estimate, a lower bound: the priced programs use plain attention and "
-        "XLA:CPU keeps bf16 temporaries in float32, so their compiled footprints (memory_bytes) "
-        "overstate trn2's" + "); bytes per device per step:",
+        + "; compiled for those k; fit = each one's own compiled footprint within the budget, "
+        "XLA:CPU's, which keeps bf16 temporaries in float32: an overstatement on trn2"
+        + "); bytes per device per step:",
         *st["table"],
     ]
     best = st.get("recommendation")
