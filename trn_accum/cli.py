@@ -36,6 +36,7 @@ import shlex
 import subprocess
 import sys
 
+from trn_accum.analysis.platforms import PLATFORMS
 from trn_accum.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, UserError, one_line
 
 PROG = "trn-accum"
@@ -141,9 +142,7 @@ def _mesh_names(text: str) -> tuple[str, ...]:
 
 
 def _cmd_dry_run(args) -> int:
-    from trn_accum.analysis import platforms
-
-    args.devices = args.devices or platforms.get(args.platform).devices_per_node
+    args.devices = args.devices or PLATFORMS[args.platform].devices_per_node
     if not 1 <= args.devices <= MAX_DRY_RUN_DEVICES:
         raise UsageError(
             f"--devices {args.devices}: must be 1..{MAX_DRY_RUN_DEVICES} (64 = one trn2.48xlarge "
@@ -340,18 +339,10 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("dry-run", help="compile the real train step on emulated CPU devices")
     _config_args(d)
     d.add_argument(
-        "--devices",
-        type=int,
-        default=None,
-        help="emulated devices (default: one node of the platform, 64 for trn2.48xlarge at LNC=2)",
+        "--devices", type=int, default=None, help="emulated devices (default: a node of --platform)"
     )
-    from trn_accum.analysis.platforms import DEFAULT, PLATFORMS
-
     d.add_argument(
-        "--platform",
-        default=DEFAULT,
-        choices=tuple(PLATFORMS),
-        help="what the step-time model prices (trn_accum/analysis/platforms.py)",
+        "--platform", default="trn2", choices=tuple(PLATFORMS), help="what the step time prices"
     )
     d.add_argument(
         "--nodes", type=int, default=None, help="node count whose per-device batch to emulate"
