@@ -33,7 +33,7 @@ train: $(STAMP)
 	XLA_FLAGS="--xla_force_host_platform_device_count=$(CPU_DEVICES)" \
 	  $(VENV)/bin/trn-accum train --config configs/fuji-tiny.toml --run-dir runs/fuji-tiny
 
-bench: $(STAMP)   ## benchmarks/report.json + the README's figures (4-7 min on 2 cores)
+bench: $(STAMP)   ## benchmarks/report.json + the figures in docs/benchmarks.md (4-7 min on 2 cores)
 	XLA_FLAGS="--xla_force_host_platform_device_count=8" $(PY) benchmarks/report.py
 
 bench-accum: $(STAMP)   ## the core accumulation benchmark (figures in docs/design.md)

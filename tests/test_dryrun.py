@@ -73,7 +73,7 @@ def test_reduced_depth_3b_dry_run_on_64_devices(mesh_sets, all_nodes):
             "data": 1
         }
         # the trn2 config is set to what the model recommends (configs/fuji-3b-trn2.toml); at
-        # 2 layers remat "none" fits 24 GiB too and wins, at 28 it does not fit (README)
+        # 2 layers remat "none" fits 24 GiB too and wins, at 28 it does not fit (docs/dry-run.md)
         pick, conf = st["recommendation"]["candidate"], st["config"]
         assert (pick["k"], pick["reduce"], pick["gather"]) == (conf["k"], conf["reduce"], None)
         assert pick["remat"] in (None, "none")
