@@ -41,7 +41,7 @@ def _leaf(tree: dict, path: str):
     return tree
 
 
-def _expected_hf_shapes(cfg: fuji.ModelConfig) -> dict[str, tuple[int, ...]]:
+def hf_shapes(cfg: fuji.ModelConfig) -> dict[str, tuple[int, ...]]:
     """HF tensor name -> the shape our config needs (no arrays)."""
     shapes = fuji.param_shapes(cfg)
     out = {}
@@ -63,9 +63,7 @@ def check_checkpoint(hf_dir: str, model_cfg: fuji.ModelConfig) -> dict[str, str]
             f"config with the checkpoint's values ({sets})"
         )
     files = hf_io.tensor_files(hf_dir)
-    bad = hf_io.missing_or_misshapen(
-        hf_io.tensor_shapes(files), _expected_hf_shapes(model_cfg).items()
-    )
+    bad = hf_io.missing_or_misshapen(hf_io.tensor_shapes(files), hf_shapes(model_cfg).items())
     if bad:
         more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
         raise InteropError(
@@ -208,7 +206,7 @@ def export_hf(run_dir: str, out_dir: str, dtype: str = "bfloat16") -> list[str]:
     names = llama.tensor_names(m.num_layers)
     paths = _param_paths(m)  # parameter by parameter: each gathered once
     order = sorted(names, key=lambda n: (paths.index(names[n][0]), names[n][1] or 0))
-    shapes = _expected_hf_shapes(m)
+    shapes = hf_shapes(m)
     sizes = {n: int(np.prod(shapes[n])) * np.dtype(np_dtype).itemsize for n in order}
     host: dict[str, np.ndarray] = {}  # one parameter on the host at a time
 

@@ -85,7 +85,7 @@ class ModelConfig:
     init_std: float = 0.02  # init = "normal": normal(0, init_std) for every matrix
     rope: str = field(default="interleaved", metadata=_choices(*ROPE_STYLES))  # model/rope.py
     rope_scaling: str = field(default="none", metadata=_choices(*ROPE_SCALINGS))  # "llama3"
-    rope_scaling_factor: float = 8.0  # the llama3 scaling's factor, low/high_freq_factor and
+    rope_scaling_factor: float = 32.0  # the llama3 scaling's factor, low/high_freq_factor and
     rope_low_freq_factor: float = 1.0  # original_max_position_embeddings (Llama 3.2's values)
     rope_high_freq_factor: float = 4.0
     rope_original_max_len: int = 8192
