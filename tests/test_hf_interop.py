@@ -5,6 +5,7 @@ embedding, on a batch with right padding (its attention_mask; ours: target mask 
 
 import dataclasses
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -19,7 +20,7 @@ import transformers
 from conftest import subprocess_env, user_error_line
 from safetensors.numpy import load_file, save_file
 
-from trn_accum.interop import convert, llama
+from trn_accum.interop import convert, evaluate, hf_io, llama
 from trn_accum.model import fuji
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -135,7 +136,9 @@ def test_import_matches_transformers(reference, tmp_path, rope):
     on = tokens >= 0
 
     ours = our_logits(run, tokens)
-    assert np.abs(ours - ref)[on].max() <= TOL
+    delta = np.abs(ours - ref)[on].max()
+    print(f"\nimport-hf (rope {rope}): max |logits - transformers'| = {delta:.2e}")
+    assert delta <= TOL
     # the llama3 scaling is in play: without it the logits move
     assert np.abs(our_logits(run, tokens, rope_scaling="none") - ref)[on].max() > 100 * TOL
 
@@ -143,6 +146,7 @@ def test_import_matches_transformers(reference, tmp_path, rope):
     assert r.returncode == 0, r.stderr[-3000:]
     got = json.loads(r.stdout.strip().splitlines()[-1])
     want, count = mean_loss(ref.astype(np.float64), tokens)
+    print(f"eval --tokens loss {got['loss']:.7f}, transformers' {want:.7f} ({count} targets)")
     assert got["tokens"] == count == 87
     assert abs(got["loss"] - want) <= TOL
 
@@ -198,7 +202,9 @@ def test_trained_run_exports_to_transformers_and_back(trained, reference, tmp_pa
     assert r.returncode == 0, r.stderr[-3000:]
     ours = our_logits(run, tokens)
     theirs = hf_logits(tmp_path / "f32", tokens)
-    assert np.abs(ours - theirs)[tokens >= 0].max() <= TOL
+    delta = np.abs(ours - theirs)[tokens >= 0].max()
+    print(f"\nexport-hf of a trained run: max |transformers' logits - ours| = {delta:.2e}")
+    assert delta <= TOL
 
     # export -> import: the trained parameters again, bit for bit
     r = cli(
@@ -266,6 +272,50 @@ def test_refused_import_names_every_field_and_writes_nothing(reference, tmp_path
     r = cli("import-hf", untied, "--config", TINY, "--run-dir", run, *sets())
     user_error_line(r, 2, "tie_word_embeddings = False")
     assert not run.exists()
+
+
+def test_sharded_checkpoints_in_and_out(reference, tmp_path):
+    """A checkpoint sharded by save_pretrained reads as the single file does; one we write in
+    shards (with its index) loads in transformers and computes the reference's logits."""
+    model = transformers.LlamaForCausalLM.from_pretrained(reference["dir"], dtype=torch.float32)
+    model.save_pretrained(tmp_path / "sharded", safe_serialization=True, max_shard_size="200KB")
+    assert (tmp_path / "sharded" / hf_io.INDEX).exists()
+    cfg = fuji.ModelConfig(
+        vocab_size=512, num_layers=2, hidden_dim=64, num_heads=4, num_kv_heads=2, head_dim=16,
+        ffn_dim=192, rope_theta=10000.0, rope_scaling="llama3", rope_original_max_len=16,
+    )  # fmt: skip
+    single = convert.check_checkpoint(str(reference["dir"]), cfg)
+    sharded = convert.check_checkpoint(str(tmp_path / "sharded"), cfg)
+    assert len(set(sharded.values())) > 1
+    for path in ("embed", "layers/q", "layers/down", "final_norm"):
+        want = convert.read_param(single, path, cfg)
+        np.testing.assert_array_equal(convert.read_param(sharded, path, cfg), want)
+
+    sizes = {n: 4 * int(np.prod(s)) for n, s in convert.hf_shapes(cfg).items()}
+    written = hf_io.write_checkpoint(
+        str(tmp_path / "out"),
+        llama.hf_config(cfg, "float32"),
+        sizes,
+        lambda name: hf_io.read_tensor(single, name),
+        max_bytes=100_000,
+    )
+    assert hf_io.INDEX in written and len(written) > 3
+    tokens = reference["tokens"]
+    np.testing.assert_array_equal(hf_logits(tmp_path / "out", tokens), reference["logits"])
+
+
+def test_eval_tokens_refuses_bad_rows(tmp_path):
+    path = tmp_path / "t.npy"
+    np.save(path, np.asarray([[1, 2, 3], [4, -1, -1]]))
+    assert evaluate.read_tokens(str(path), 8).shape == (2, 3)
+    for bad, needle in (
+        ([[1, -1, 3]], "row 0 has padding (a negative id) at column 1 before a token"),
+        ([[1, 9, 3]], "id 9 at row 0, column 1 is >= the model's vocabulary (8)"),
+        ([1, 2, 3], "an integer array [N, S] with S >= 2 is needed"),
+    ):
+        np.save(path, np.asarray(bad))
+        with pytest.raises(llama.InteropError, match=re.escape(needle)):
+            evaluate.read_tokens(str(path), 8)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -86,11 +86,18 @@ def read_param(files: dict[str, str], path: str, cfg: fuji.ModelConfig) -> np.nd
     return out
 
 
+def _keypath(path) -> str:
+    return jax.tree_util.keystr(path, simple=True, separator="/")
+
+
 def _param_paths(cfg: fuji.ModelConfig) -> list[str]:
-    return [
-        jax.tree_util.keystr(p, simple=True, separator="/")
-        for p, _ in jax.tree.leaves_with_path(fuji.param_shapes(cfg))
-    ]
+    return [_keypath(p) for p, _ in jax.tree.leaves_with_path(fuji.param_shapes(cfg))]
+
+
+def _place(host: np.ndarray, sharding) -> jax.Array:
+    """The global array of `host` (the same on every process) in `sharding`: each process
+    puts its own devices' shards."""
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 def _refuse_existing(run_dir: str) -> None:
@@ -110,11 +117,10 @@ def import_hf(hf_dir: str, config_path: str, overrides: Sequence[str], run_dir: 
     _refuse_existing(run_dir)
     trainer = loop.Trainer.build(cfg)  # the mesh, data and state layout the trainer uses
     shardings = trainer.state_shardings
-    params: dict = jax.tree.map(lambda _: None, fuji.param_shapes(cfg.model))
-    for path in _param_paths(cfg.model):
-        value = jax.device_put(read_param(files, path, cfg.model), _leaf(shardings["params"], path))
-        parent = _leaf(params, path.rsplit("/", 1)[0]) if "/" in path else params
-        parent[path.rsplit("/", 1)[-1]] = value
+    params = jax.tree_util.tree_map_with_path(
+        lambda p, sharding: _place(read_param(files, _keypath(p), cfg.model), sharding),
+        shardings["params"],
+    )
     tx = trainer.program.tx
     with jax.set_mesh(trainer.mesh):
         opt_state = jax.jit(tx.init, out_shardings=shardings["opt_state"])(params)
@@ -123,9 +129,8 @@ def import_hf(hf_dir: str, config_path: str, overrides: Sequence[str], run_dir: 
     try:
         make_writable_dir(run_dir)
     except OSError as e:
-        raise InteropError(
-            f"run dir {run_dir} is not writable ({e.strerror}): pass another"
-        ) from None
+        why = f"run dir {run_dir} is not writable ({e.strerror})"
+        raise InteropError(f"{why}: pass a writable --run-dir") from None
     claim = rundir.claim_for_job(run_dir, say=lambda _: None)
     try:
         with Checkpointer(os.path.join(run_dir, "checkpoints"), keep=cfg.checkpoint.keep) as ck:
