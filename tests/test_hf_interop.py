@@ -262,7 +262,7 @@ def test_refused_import_names_every_field_and_writes_nothing(reference, tmp_path
     line = user_error_line(
         r, 2, "num_kv_heads: checkpoint 2, config 4", "ffn_dim: checkpoint 192, config 128"
     )
-    assert "--set model.num_kv_heads=" in line
+    assert "(--set model.num_kv_heads=2 --set model.ffn_dim=192)" in line
     assert not run.exists()
 
     untied = tmp_path / "untied"

@@ -25,7 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
+from safetensors import SafetensorError
 
+from trn_accum.errors import EXIT_SAVE_FAILED
 from trn_accum.interop import hf_io, llama
 from trn_accum.interop.llama import InteropError
 from trn_accum.model import fuji
@@ -57,7 +59,8 @@ def check_checkpoint(hf_dir: str, model_cfg: fuji.ModelConfig) -> dict[str, str]
     fields = llama.model_fields(hf_io.read_config(hf_dir))
     differ = llama.mismatches(fields, model_cfg)
     if differ:
-        sets = " ".join(f"--set model.{d.split(':')[0]}=..." for d in differ)
+        keys = [d.split(":")[0] for d in differ]
+        sets = " ".join(f"--set model.{k}={fields[k]}" for k in keys)
         raise InteropError(
             f"checkpoint {hf_dir} does not match the config: {'; '.join(differ)}: use a "
             f"config with the checkpoint's values ({sets})"
@@ -225,8 +228,22 @@ def export_hf(run_dir: str, out_dir: str, dtype: str = "bfloat16") -> list[str]:
         value = host[path] if layer is None else host[path][layer]
         return np.ascontiguousarray(llama.to_hf(path, value, m.rope).astype(np_dtype))
 
+    if jax.process_index() == 0:
+        try:
+            make_writable_dir(out_dir)
+        except OSError as e:
+            raise InteropError(
+                f"export dir {out_dir} is not writable ({e.strerror}): pass a writable OUT_DIR",
+                exit_code=EXIT_SAVE_FAILED,
+            ) from None
     if jax.process_index() != 0:
         for path in paths:  # the gathers are collective: every process joins
             multihost_utils.process_allgather(_leaf(params, path), tiled=True)
         return []
-    return hf_io.write_checkpoint(out_dir, llama.hf_config(m, dtype), sizes, tensor)
+    try:
+        return hf_io.write_checkpoint(out_dir, llama.hf_config(m, dtype), sizes, tensor)
+    except (OSError, SafetensorError) as e:
+        raise InteropError(
+            f"export to {out_dir} failed ({e}): free space or fix the storage, then export again",
+            exit_code=EXIT_SAVE_FAILED,
+        ) from None
