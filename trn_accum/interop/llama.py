@@ -110,11 +110,18 @@ def model_fields(hf: dict) -> dict[str, Any]:
             f"RoPE, convert"
         )
     flat = {**hf, **rope, "rope_type": _ROPE_TYPES[rope["rope_type"]]}
-    flat.setdefault("head_dim", hf["hidden_size"] // hf["num_attention_heads"])
-    out = {ours: flat[theirs] for ours, theirs in CONFIG_FIELDS.items()}
-    if out["rope_scaling"] == "llama3":
-        out.update({ours: rope[theirs] for ours, theirs in LLAMA3_FIELDS.items()})
-    return out
+    if flat.get("head_dim") is None and "hidden_size" in hf and "num_attention_heads" in hf:
+        flat["head_dim"] = hf["hidden_size"] // hf["num_attention_heads"]  # transformers' rule
+    wanted = dict(CONFIG_FIELDS)
+    if flat["rope_type"] == "llama3":
+        wanted.update(LLAMA3_FIELDS)
+    missing = [theirs for theirs in wanted.values() if flat.get(theirs) is None]
+    if missing:
+        raise InteropError(
+            f"config.json lacks {', '.join(missing)}: a Llama config.json written by "
+            f"transformers has them; add them from the model's card"
+        )
+    return {ours: flat[theirs] for ours, theirs in wanted.items()}
 
 
 def _same(a: Any, b: Any) -> bool:
