@@ -22,6 +22,7 @@ from safetensors.numpy import load_file, save_file
 
 from trn_accum.interop import convert, evaluate, hf_io, llama
 from trn_accum.model import fuji
+from trn_accum.model.rope import inverse_frequencies
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "fuji-tiny.toml")
@@ -350,6 +351,19 @@ def test_llama_3b_names_and_shapes_match_transformers():
         "vocab_size: checkpoint 128256, config 131072",
         "rope_scaling: checkpoint 'llama3', config 'none'",
     ]
+
+
+def test_llama3_frequencies_of_the_3b_equal_transformers():
+    """Llama 3.2 3B's RoPE frequencies (theta 500000, Dh 128, factor 32 over 8192 positions),
+    ours against transformers' own llama3 initialisation."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    theirs, scale = ROPE_INIT_FUNCTIONS["llama3"](transformers.LlamaConfig(**LLAMA_32_3B))
+    ours = np.asarray(inverse_frequencies(FUJI_3B_TIKTOKEN))
+    assert scale == 1.0
+    np.testing.assert_allclose(ours, theirs.numpy(), rtol=1e-6)
+    plain = np.asarray(inverse_frequencies(fuji.ModelConfig()))
+    assert (ours < plain).sum() > 20 and (ours == plain).sum() > 20  # scaled, and kept
 
 
 def test_3b_wide_layer_materialized(tmp_path):
