@@ -197,6 +197,7 @@ def trained(tmp_path_factory):
     return base
 
 
+@pytest.mark.slow
 def test_trained_run_exports_to_transformers_and_back(trained, reference, tmp_path):
     run, tokens = trained / "run", reference["tokens"]
     r = cli("export-hf", run, tmp_path / "f32", "--dtype", "float32")

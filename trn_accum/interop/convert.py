@@ -208,6 +208,14 @@ def restore_params(run_dir: str) -> tuple[Config, jax.sharding.Mesh, dict, int]:
 def export_hf(run_dir: str, out_dir: str, dtype: str = "bfloat16") -> list[str]:
     """Writes config.json + safetensors of the run's newest checkpoint into `out_dir`
     (process 0 writes). Returns the files written."""
+    if jax.process_index() == 0:
+        try:
+            make_writable_dir(out_dir)
+        except OSError as e:
+            raise InteropError(
+                f"export dir {out_dir} is not writable ({e.strerror}): pass a writable OUT_DIR",
+                exit_code=EXIT_SAVE_FAILED,
+            ) from None
     cfg, _, params, _ = restore_params(run_dir)
     m = cfg.model
     np_dtype = hf_io.DTYPES[dtype]
@@ -228,14 +236,6 @@ def export_hf(run_dir: str, out_dir: str, dtype: str = "bfloat16") -> list[str]:
         value = host[path] if layer is None else host[path][layer]
         return np.ascontiguousarray(llama.to_hf(path, value, m.rope).astype(np_dtype))
 
-    if jax.process_index() == 0:
-        try:
-            make_writable_dir(out_dir)
-        except OSError as e:
-            raise InteropError(
-                f"export dir {out_dir} is not writable ({e.strerror}): pass a writable OUT_DIR",
-                exit_code=EXIT_SAVE_FAILED,
-            ) from None
     if jax.process_index() != 0:
         for path in paths:  # the gathers are collective: every process joins
             multihost_utils.process_allgather(_leaf(params, path), tiled=True)
