@@ -1,5 +1,5 @@
 """`trn-accum`: train | dry-run | neuron-check | neuron-env | prepare-data | plot | render-eks |
-check-config.
+check-config | import-hf | export-hf | eval (trn_accum/interop/commands.py).
 
     trn-accum train --config FILE [--set section.key=value ...] [--run-dir DIR]
                     [--profile START:STOP] [--allow-config-change KEY ...]
@@ -37,6 +37,7 @@ import subprocess
 import sys
 
 from trn_accum.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, UserError, one_line
+from trn_accum.interop.commands import add_parsers
 
 PROG = "trn-accum"
 
@@ -459,6 +460,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r.add_argument("-o", "--output", default="-", help="output file (default: stdout)")
     r.set_defaults(func=_cmd_render_eks)
+    add_parsers(sub)  # import-hf, export-hf, eval
     return p
 
 

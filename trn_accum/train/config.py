@@ -314,8 +314,17 @@ def _check_config(cfg: Config) -> None:
         f"must divide model.num_heads ({m.num_heads})",
     )
     _require(m.head_dim % 2 == 0, "model.head_dim", m.head_dim, "must be even (RoPE rotates pairs)")
-    for name in ("rope_theta", "norm_eps", "init_std"):
+    for name in (
+        "rope_theta",
+        "norm_eps",
+        "init_std",
+        "rope_scaling_factor",
+        "rope_low_freq_factor",
+    ):
         _require(getattr(m, name) > 0, f"model.{name}", getattr(m, name), "must be > 0")
+    hi, lo, n = m.rope_high_freq_factor, m.rope_low_freq_factor, m.rope_original_max_len
+    _require(hi > lo, "model.rope_high_freq_factor", hi, f"must be > rope_low_freq_factor {lo}")
+    _require(n >= 1, "model.rope_original_max_len", n, "must be >= 1")
     _require(m.loss_chunk >= 0, "model.loss_chunk", m.loss_chunk, "must be >= 0 (0 = no chunking)")
 
     try:
