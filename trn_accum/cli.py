@@ -86,7 +86,12 @@ def _profile_range(text: str) -> tuple[int, int]:
 
 def _cmd_train(args) -> int:
     profile = _profile_range(args.profile) if args.profile else None
-    from trn_accum.train import loop
+    try:
+        from trn_accum.train import loop
+    except ImportError as e:  # a broken install on one node: its job's ranks hear of it
+        from trn_accum.cluster.distributed import fail_startup
+
+        fail_startup(UsageError(f"cannot import the trainer ({e}): reinstall trn_accum here"))
 
     run_dir = args.run_dir or os.path.join(
         "runs", os.path.splitext(os.path.basename(args.config))[0]

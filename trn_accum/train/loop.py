@@ -34,7 +34,7 @@ from typing import Any
 import jax
 
 from trn_accum.cluster import distributed
-from trn_accum.errors import EXIT_PREEMPTED, EXIT_SAVE_FAILED
+from trn_accum.errors import EXIT_PREEMPTED, EXIT_SAVE_FAILED, UserError
 from trn_accum.model import fuji
 from trn_accum.neuron import platform
 from trn_accum.train import autok, drift, rundir, step
@@ -185,9 +185,12 @@ def run(
     (`allow_config_change`: keys or sections) and, with `profile=(start, stop)`, `profile/` (a
     jax.profiler trace of the steps numbered start..stop-1, numbered as logged: from 1).
     """
-    cfg = load_config(config_path, overrides)
-    defaults = drift.run_record(config_to_dict(Config()), None)
-    allowed = drift.check_allowed_keys(allow_config_change, defaults)
+    try:
+        cfg = load_config(config_path, overrides)
+        defaults = drift.run_record(config_to_dict(Config()), None)
+        allowed = drift.check_allowed_keys(allow_config_change, defaults)
+    except UserError as e:  # the other ranks of a job hear of it instead of waiting for it
+        distributed.fail_startup(e)
     # jax.distributed first: in a multi-process run it installs JAX's own SIGTERM notifier,
     # which would replace our handler if it came after it (then SIGTERM saves nothing).
     distributed.initialize()  # Slurm / Kubernetes / explicit env; the Neuron env on trn2
