@@ -258,11 +258,11 @@ def _unreachable(address: str, timeout: float, who: str) -> str:
     )
 
 
-def _not_rank0(address: str, who: str) -> str:
+def _not_rank0(address: str, rank: int) -> str:
     return (
         f"rank 0 is not what listens on the coordinator {address}: another program holds that "
-        f"port (it took {who}'s connection but did not answer as trn-accum's rank 0 within "
-        f"{ACK_S:.0f} s), so rank 0 cannot bind it; give the coordinator a free port"
+        f"port (it took rank {rank}'s connection but did not answer as trn-accum's rank 0 "
+        f"within {ACK_S:.0f} s), so rank 0 cannot bind it; give the coordinator a free port"
     )
 
 
@@ -289,7 +289,7 @@ def _join(me: Claim, host: str, port: int, timeout: float) -> str | None:
         elif first.startswith(_REFUSE):
             verdict = first
         else:
-            return _not_rank0(address, me.describe())
+            return _not_rank0(address, me.rank)
     if verdict == _OK:
         return None
     if verdict.startswith(_REFUSE):
