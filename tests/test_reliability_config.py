@@ -108,3 +108,16 @@ def test_check_config_and_train_refuse_with_the_same_line(tmp_path, capsys, case
         lines.append(out.err)
     assert lines[0] == lines[1] and "Traceback" not in lines[0]
     assert list(tmp_path.iterdir()) == [empty]  # train touched nothing
+
+
+def test_max_skipped_fraction_is_free_to_change_on_resume():
+    """A stop rule, like trainer.stop_after_nonfinite: it does not change the numbers."""
+    from trn_accum.train import drift
+    from trn_accum.train.config import Config, config_to_dict
+
+    defaults = drift.run_record(config_to_dict(Config()), None)
+    old = drift.run_record(config_to_dict(load_config(TINY)), None)
+    new = load_config(TINY, ["trainer.max_skipped_fraction=0.9"])
+    assert (
+        drift.trajectory_changes(old, drift.run_record(config_to_dict(new), None), defaults) == {}
+    )
