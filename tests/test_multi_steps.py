@@ -144,6 +144,26 @@ def test_nonfinite_minibatch_dropped(problem):
     assert_close(state.inner_opt_state, tx.init(params).inner_opt_state, rtol=0)  # kept
 
 
+def test_value_is_checked_and_passed_on_as_the_weighted_mean(problem):
+    """update(..., value=loss_i): a non-finite value drops its minibatch, and the inner
+    transformation receives the step's token-weighted mean loss, the full batch's loss."""
+    params, _, mbs = problem
+
+    def keep_value(updates, state, params=None, *, value, **extra):
+        return updates, value  # the inner state is the value it was given
+
+    inner = optax.GradientTransformationExtraArgs(lambda p: jnp.float32(0.0), keep_value)
+    tx = multi_steps(inner, K, weight_fn=tokens)
+    state, update = tx.init(params), jax.jit(tx.update)
+    values = [loss_fn(params, mb) for mb in mbs]
+    values[2] = jnp.float32(jnp.inf)  # its gradient is finite: the value alone drops it
+    for mb, value in zip(mbs, values, strict=True):
+        _, state = update(grad_fn(params, mb), state, params, batch=mb, value=value)
+    kept = jax.tree.map(lambda *xs: jnp.concatenate(xs), mbs[0], mbs[1], mbs[3])
+    assert int(state.dropped) == 1
+    np.testing.assert_allclose(state.inner_opt_state, loss_fn(params, kept), rtol=1e-6)
+
+
 def test_variable_k_without_recompile(problem):
     """k = 2 for one step, then 3 (`with_k`): the steps end at calls 2 and 5, each equals its
     minibatches' full-batch step, and the jitted update compiled once."""
