@@ -25,8 +25,12 @@
 # (the RUN below refuses an image whose JAX differs from constraints.txt).
 FROM public.ecr.aws/neuron/jax-training-neuronx:0.10.0-neuronx-py313-sdk2.32.0-ubuntu24.04 AS neuron
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+# The test extra's torch (the Hugging Face reference Llama) is PyTorch's CPU build: PyPI's Linux
+# wheel of the same version is the CUDA one, several GB; the CPU index's 2.13.0+cpu satisfies
+# the pin `torch==2.13.0` and sorts above it.
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu \
     PYTHONUNBUFFERED=1
 WORKDIR /workspace/trn_accum
 COPY . .
@@ -62,8 +66,12 @@ CMD ["trn-accum", "neuron-check"]
 # ----------------------------------------------------------------------------- cpu (default)
 FROM python:3.11-slim-bookworm AS cpu
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+# The test extra's torch (the Hugging Face reference Llama) is PyTorch's CPU build: PyPI's Linux
+# wheel of the same version is the CUDA one, several GB; the CPU index's 2.13.0+cpu satisfies
+# the pin `torch==2.13.0` and sorts above it.
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu \
     PYTHONUNBUFFERED=1
 WORKDIR /workspace/trn_accum
 COPY . .
