@@ -9,7 +9,7 @@ STAMP   := $(VENV)/.installed-stamp
 CPU_DEVICES ?= 8
 export JAX_PLATFORMS ?= cpu
 
-.PHONY: install train test lint bench bench-accum dry-run system-deps clean
+.PHONY: install train test test-jax-next lint bench bench-accum dry-run system-deps clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,11 +29,39 @@ lint: $(STAMP)
 test: $(STAMP) system-deps lint
 	$(PY) -m pytest -q -n 2 --dist loadgroup
 
+# The second JAX pass: the core and model tests on the newest JAX the Neuron SDKs support
+# (2.34: JAX 0.10.0-0.11.2; `test` runs everything on constraints.txt's 0.10.0). JAX 0.11 needs
+# Python >= 3.12: the first of python3.14, 3.13, 3.12 (on PATH, or under pyenv) is used.
+JAX_NEXT       ?= 0.11.2
+VENV_NEXT      ?= .venv-jax-next
+STAMP_NEXT     := $(VENV_NEXT)/.installed-stamp-$(JAX_NEXT)
+PYTHON_NEXT    ?= $(shell for v in 3.14 3.13 3.12; do \
+                    for p in python$$v $${PYENV_ROOT:-$$HOME/.pyenv}/versions/$$v*/bin/python3; do \
+                      "$$p" -c 'import sys; assert sys.version_info >= (3, 12)' 2>/dev/null \
+                      && { command -v "$$p" | grep . || echo "$$p"; } && exit; \
+                    done; done)
+TESTS_JAX_NEXT := tests/test_accumulation.py tests/test_gather_once.py \
+                  tests/test_reduce_once.py tests/test_reduce_dtype.py tests/test_sharding.py \
+                  tests/test_state.py tests/test_summaries.py tests/test_clients.py \
+                  tests/test_multi_steps.py tests/test_model.py tests/test_attention.py \
+                  tests/test_xent.py
+
+$(STAMP_NEXT): pyproject.toml
+	@test -n "$(PYTHON_NEXT)" || { echo "test-jax-next: JAX $(JAX_NEXT) needs Python >= 3.12; none found (set PYTHON_NEXT=...)" >&2; exit 1; }
+	test -x $(VENV_NEXT)/bin/python || $(PYTHON_NEXT) -m venv $(VENV_NEXT)
+	$(VENV_NEXT)/bin/python -m pip install -q --disable-pip-version-check -U pip
+	$(VENV_NEXT)/bin/python -m pip install -q --disable-pip-version-check -e '.[test]' \
+	  jax==$(JAX_NEXT) jaxlib==$(JAX_NEXT)
+	touch $(STAMP_NEXT)
+
+test-jax-next: $(STAMP_NEXT)   ## the core and model tests on JAX $(JAX_NEXT) (.venv-jax-next)
+	$(VENV_NEXT)/bin/python -m pytest -q -n 2 --dist loadgroup $(TESTS_JAX_NEXT)
+
 train: $(STAMP)
 	XLA_FLAGS="--xla_force_host_platform_device_count=$(CPU_DEVICES)" \
 	  $(VENV)/bin/trn-accum train --config configs/fuji-tiny.toml --run-dir runs/fuji-tiny
 
-bench: $(STAMP)   ## benchmarks/report.json + the README's figures (4-7 min on 2 cores)
+bench: $(STAMP)   ## benchmarks/report.json + the figures in docs/benchmarks.md (4-7 min on 2 cores)
 	XLA_FLAGS="--xla_force_host_platform_device_count=8" $(PY) benchmarks/report.py
 
 bench-accum: $(STAMP)   ## the core accumulation benchmark (figures in docs/design.md)

@@ -1,4 +1,4 @@
-"""One benchmark report of the real train step: JSON plus a markdown table in the README.
+"""One benchmark report of the real train step: JSON plus a markdown table in docs/benchmarks.md.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 .venv/bin/python benchmarks/report.py
 
@@ -17,8 +17,8 @@ non-finite guard, donated state, explicit shardings), at a fixed global batch:
   in-graph scan and optax.MultiSteps on one model, batch and mesh, timed round-robin.
 
 Writes benchmarks/report.json and replaces the text between `<!-- bench:start -->` and
-`<!-- bench:end -->` in README.md (nothing else; if the markers are missing the README is left
-alone and a warning printed). Prints the markdown.
+`<!-- bench:end -->` in docs/benchmarks.md (nothing else; if the markers are missing the file is
+left alone and a warning printed). Prints the markdown.
 
 XLA:CPU figures are a proxy: temporaries are not a trn2 fit check (docs/design.md), the CPU
 "collectives" are memory copies between threads, and on a shared 2-core machine times move by
@@ -333,7 +333,7 @@ def main(argv=None) -> int:
     ap.add_argument("--only", choices=("tiny", "mid"), help="one config only")
     ap.add_argument("--no-peers", action="store_true", help="skip the peers table (peers.py)")
     ap.add_argument("--json", default=str(ROOT / "benchmarks" / "report.json"))
-    ap.add_argument("--readme", default=str(ROOT / "README.md"), help="'' to skip")
+    ap.add_argument("--readme", default=str(ROOT / "docs" / "benchmarks.md"), help="'' to skip")
     args = ap.parse_args(argv)
     if jax.device_count() != 8:
         print(

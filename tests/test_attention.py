@@ -295,8 +295,9 @@ def test_backward_stand_in_rejects_mixed_dtypes():
 
 def test_stand_ins_take_the_kernels_parameters_in_the_kernels_order():
     """A positional call means what it means to the kernel (attention_cte.py:169,
-    attention_bwd.py:44 in aws-neuron/nki-library 2.29): bound_min/bound_max sit between
-    sinks_ref and use_causal_mask in the backward, k_prior... between causal_mask and tp_q."""
+    attention_bwd.py:44 in aws-neuron/nki-library 2.29, plus the 2.30+ trailing parameters):
+    bound_min/bound_max sit between sinks_ref and use_causal_mask in the backward, k_prior...
+    between causal_mask and tp_q; transpose_dv, cp_offset close the backward's list."""
     import inspect
 
     stand_ins = nki_kernels.reference_kernels()
@@ -310,6 +311,8 @@ def test_stand_ins_take_the_kernels_parameters_in_the_kernels_order():
         "bound_max",
         "use_causal_mask",
     )
+    assert nki_kernels.BWD_PARAMS[-2:] == ("transpose_dv", "cp_offset")
+    assert nki_kernels.CTE_PARAMS[-2:] == ("cp_striped_input", "skip_output_normalization")
 
 
 def test_backward_stand_in_positional_call_and_unknown_keywords():
@@ -339,3 +342,81 @@ def test_forward_stand_in_positional_order_and_unknown_keywords():
     with pytest.raises(AssertionError, match="head dim > 128"):
         wide = jnp.ones((1, 128, 129), jnp.float32)
         fwd(wide, wide, wide, tp_q=True, tp_k=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# attention_bwd 2.30+: transpose_dv, cp_offset, and the checks that come with them
+# ----------------------------------------------------------------------------------------------
+
+
+def _bwd_inputs(s=256, h=2, kv=1, d=8, seed=11):
+    """Kernel-layout q, k, v, o, dy (B=1) and the forward stand-in's lse, over S = s."""
+    ks = jax.random.split(jax.random.key(seed), 4)
+    q, dy = (jax.random.normal(kk, (1, h, d, s)) for kk in ks[:2])
+    k, v = (jax.random.normal(kk, (1, kv, d, s)) for kk in ks[2:])
+
+    def fold(x):  # (1, N, d, S) -> (N, S, d)
+        return x.transpose(0, 1, 3, 2).reshape(-1, s, d)
+
+    fwd = nki_kernels.reference_kernels()["fwd"]
+    kw = dict(scale=d**-0.5, tp_q=True, tp_k=True, cache_softmax=True)
+    o, neg_max, recip = fwd(fold(q), fold(k), fold(v), **kw)
+    lse = (-neg_max - jnp.log(recip)).reshape(1, h, 128, s // 128)
+    return q, k, v, o.reshape(1, h, s, d).transpose(0, 1, 3, 2), dy, lse
+
+
+def test_backward_stand_in_transpose_dv_gives_dv_in_bskd():
+    """transpose_dv=True: dv [bs, seqlen_k, nheads_kv, d] instead of [bs, nheads_kv, d,
+    seqlen_k] (the 2.30+ docstring), the same numbers; dq, dk unchanged."""
+    bwd = nki_kernels.reference_kernels()["bwd"]
+    args = _bwd_inputs(kv=2, h=4)
+    plain = bwd(*args, use_causal_mask=True, mixed_precision=True)
+    moved = bwd(*args, use_causal_mask=True, mixed_precision=True, transpose_dv=True)
+    assert moved[2].shape == (1, 256, 2, 8)
+    np.testing.assert_array_equal(moved[2], plain[2].transpose(0, 3, 1, 2))
+    np.testing.assert_array_equal(moved[0], plain[0])
+    np.testing.assert_array_equal(moved[1], plain[1])
+
+
+def test_backward_stand_in_cp_offset_shifts_the_causal_mask():
+    """A context-parallel query chunk: the last 128 queries of S=256, cp_offset=128, against all
+    256 keys (seqlen_q != seqlen_k is allowed once cp_offset > 0). Query i sees key j when
+    i + 128 >= j, so its dq equals the full call's dq for those queries, and its dk, dv equal
+    the full call's with the first 128 queries' dy zeroed."""
+    bwd = nki_kernels.reference_kernels()["bwd"]
+    q, k, v, o, dy, lse = _bwd_inputs()
+    dy_late = dy.at[..., :128].set(0.0)
+    full = bwd(q, k, v, o, dy_late, lse, use_causal_mask=True, mixed_precision=True)
+    late = (q[..., 128:], k, v, o[..., 128:], dy[..., 128:], lse[..., 1:])
+    chunk = bwd(*late, use_causal_mask=True, mixed_precision=True, cp_offset=128)
+    np.testing.assert_allclose(chunk[0], full[0][..., 128:], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(chunk[1], full[1], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(chunk[2], full[2], rtol=1e-5, atol=1e-6)
+    no_shift = bwd(*late, use_causal_mask=True, mixed_precision=True, cp_offset=1)
+    assert float(jnp.max(jnp.abs(no_shift[2] - full[2]))) > 1e-2  # the offset matters
+
+
+def test_backward_stand_in_refuses_causal_unequal_lengths_without_cp_offset():
+    bwd = nki_kernels.reference_kernels()["bwd"]
+    q, k, v, o, dy, lse = _bwd_inputs()
+    with pytest.raises(AssertionError, match=r"seqlen_q 128 != seqlen_k 256 needs cp_offset > 0"):
+        bwd(q[..., :128], k, v, o[..., :128], dy[..., :128], lse[..., :1], use_causal_mask=True)
+
+
+def test_adapter_asks_the_backward_for_dv_transposed():
+    """The launch passes transpose_dv=True and leaves cp_offset at 0; the gradients still equal
+    plain attention (a dv in the untransposed layout would not fit the custom VJP)."""
+    from trn_accum.model.attention import plain_attention
+
+    ref = nki_kernels.reference_kernels()
+    seen = []
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs)
+        return ref["bwd"].fn(*args, **kwargs)
+
+    bwd = nki_kernels.Launchable(recording, "recording")
+    q, k, v, ct = _inputs(s=40, seed=9)
+    fn = functools.partial(nki_flash_attention, fwd=ref["fwd"], bwd=bwd, lnc=1)
+    _assert_close(_out_and_grads(fn, q, k, v, ct), _out_and_grads(plain_attention, q, k, v, ct))
+    assert seen[0]["transpose_dv"] is True and "cp_offset" not in seen[0]

@@ -78,7 +78,8 @@ def test_config_dict_round_trip():
 
 def test_missing_keys_take_defaults(tmp_path):
     p = tmp_path / "c.toml"
-    p.write_text("[model]\nnum_layers = 2\n[trainer]\nsteps = 5\n")
+    others = "".join(f"[{name}]\n" for name in ("mesh", "data", "optimizer", "checkpoint"))
+    p.write_text(f"[model]\nnum_layers = 2\n[trainer]\nsteps = 5\n{others}")
     cfg = load_config(p)
     assert cfg.model == dataclasses.replace(C.ModelConfig(), num_layers=2)
     assert cfg.trainer.steps == 5 and cfg.checkpoint == C.CheckpointConfig()

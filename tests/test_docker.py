@@ -1,6 +1,7 @@
 """The Dockerfile (no Docker engine here, so checked statically): hadolint passes, the default
-target is the CPU image whose install and test commands are the README's, and the `neuron`
-stage starts from a pinned AWS Neuron JAX training container without replacing its JAX."""
+target is the CPU image whose install and test commands are the README's (the docker commands
+are docs/trn2.md's), and the `neuron` stage starts from a pinned AWS Neuron JAX training
+container without replacing its JAX."""
 
 from __future__ import annotations
 
@@ -59,8 +60,8 @@ def commands(stage: dict, word: str) -> list[str]:
     return [a for w, a in stage["ins"] if w == word]
 
 
-def readme_command_lines() -> list[str]:
-    return [line.strip() for line in (REPO / "README.md").read_text().splitlines()]
+def command_lines(doc: str) -> list[str]:
+    return [line.strip() for line in (REPO / doc).read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +90,8 @@ def test_default_target_is_the_cpu_test_image(parsed):
 
 
 def test_cpu_image_commands_are_the_readmes(parsed):
-    """The CPU image installs and tests with the README's own commands."""
+    """The CPU image installs and tests with the README's own commands; docs/trn2.md shows how
+    to build both images."""
     cpu = parsed[-1]
     test_cmd = " ".join(json.loads(commands(cpu, "CMD")[0]))
     install = [
@@ -98,7 +100,7 @@ def test_cpu_image_commands_are_the_readmes(parsed):
         for part in run.split("&&")
         if part.strip().startswith("make ")
     ]
-    lines = readme_command_lines()
+    lines = command_lines("README.md")
     for cmd in [*install, test_cmd]:
         assert any(line == cmd or line.startswith(cmd + " ") for line in lines), (
             f"README.md has no line starting with the Dockerfile's `{cmd}`"
@@ -107,7 +109,9 @@ def test_cpu_image_commands_are_the_readmes(parsed):
         "docker build -t trn-accum . && docker run --rm trn-accum",
         "docker build --target neuron -t trn-accum:neuron .",
     ):
-        assert any(line.startswith(cmd) for line in lines), f"README.md lacks `{cmd}`"
+        assert any(line.startswith(cmd) for line in command_lines("docs/trn2.md")), (
+            f"docs/trn2.md lacks `{cmd}`"
+        )
 
 
 def test_makefile_has_the_targets_the_image_runs(parsed):

@@ -8,7 +8,7 @@ against XLA's compiled footprint of the real Fuji 3B step, at two levels of what
   footprint, at 1 and 2 rows per device group per minibatch.
 
 XLA:CPU keeps bf16 temporaries in float32 and, with unrolled layers, more per layer than the
-remat policy implies (README, "Dry-run first"), so the check runs where the CPU stores what the
+remat policy implies (docs/dry-run.md), so the check runs where the CPU stores what the
 model describes: float32 compute, layers under `lax.scan`. The 3B shapes (seq 8192, model 2) on
 8 devices: fsdp 4 x model 2, a global batch of 256 over the config's 32 nodes = 2 rows per
 device group.

@@ -85,6 +85,32 @@ def test_attention_kernel_whose_outputs_differ_fails_and_is_named(monkeypatch, c
     assert broken["fwd"].grids == [2]  # launched on the LNC grid
 
 
+def test_backward_with_nkilib_2_29_numerics_fails_the_sharp_bf16_case(monkeypatch, capsys):
+    """nkilib 2.29's attention_bwd multiplied Q by the softmax scale in the input dtype at load
+    (BWD:790 `scale_first`) and ran the exponential at scale 1; 2.30+ scales the float32
+    scores. The neuron-flash row's bf16 case (head dim 96: a scale that bf16 rounds; scores of
+    std 36) passes with the 2.30+ stand-ins and fails with the 2.29 arithmetic, named."""
+    ref = kernels.reference_kernels()
+
+    def prescaled_bwd(q, k, v, o, dy, lse, *args, softmax_scale=None, **kwargs):
+        qs = (q.astype(jnp.float32) * softmax_scale).astype(q.dtype)  # rounded to bf16
+        dq, dk, dv = ref["bwd"].fn(qs, k, v, o, dy, lse, *args, softmax_scale=1.0, **kwargs)
+        return (dq.astype(jnp.float32) * softmax_scale).astype(dq.dtype), dk, dv
+
+    old = {"fwd": ref["fwd"], "bwd": kernels.Launchable(prescaled_bwd, "2.29 numerics")}
+    with kernels.substitute(old):
+        code, out = _run_rows(monkeypatch, capsys, {"neuron-flash"}, "--json")
+    row = json.loads(out)["rows"][1]
+    assert code == 1 and row["status"] == "FAIL"
+    sharp = row["detail"].split("; ")[1]
+    assert sharp.startswith(neuron_check.SHARP)
+    assert float(sharp.split("dv ")[1].split(" ")[0]) > 5e-2  # 1.0e-1 measured
+    with kernels.substitute(kernels.reference_kernels()):
+        code, out = _run_rows(monkeypatch, capsys, {"neuron-flash"}, "--json")
+    row = json.loads(out)["rows"][1]
+    assert code == 0 and row["status"] == "pass" and neuron_check.SHARP in row["detail"]
+
+
 def test_row_that_raises_fails_with_one_line(monkeypatch, capsys):
     def boom(check):
         raise RuntimeError("compiler said no\nsecond line")

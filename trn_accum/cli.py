@@ -1,5 +1,5 @@
 """`trn-accum`: train | dry-run | neuron-check | neuron-env | prepare-data | plot | render-eks |
-check-config.
+check-config | import-hf | export-hf | eval (trn_accum/interop/commands.py).
 
     trn-accum train --config FILE [--set section.key=value ...] [--run-dir DIR]
                     [--profile START:STOP] [--allow-config-change KEY ...]
@@ -38,6 +38,7 @@ import sys
 
 from trn_accum.analysis.platforms import PLATFORMS
 from trn_accum.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, UserError, one_line
+from trn_accum.interop.commands import add_parsers
 
 PROG = "trn-accum"
 
@@ -86,7 +87,12 @@ def _profile_range(text: str) -> tuple[int, int]:
 
 def _cmd_train(args) -> int:
     profile = _profile_range(args.profile) if args.profile else None
-    from trn_accum.train import loop
+    try:
+        from trn_accum.train import loop
+    except ImportError as e:  # a broken install on one node: its job's ranks hear of it
+        from trn_accum.cluster.distributed import fail_startup
+
+        fail_startup(UsageError(f"cannot import the trainer ({e}): reinstall trn_accum here"))
 
     run_dir = args.run_dir or os.path.join(
         "runs", os.path.splitext(os.path.basename(args.config))[0]
@@ -199,7 +205,7 @@ def _cmd_neuron_env(args) -> int:
 def _cmd_prepare_data(args) -> int:
     from trn_accum.train.prepare import prepare_data
 
-    meta = prepare_data(args.text_files, args.out, tokenizer=args.tokenizer)
+    meta = prepare_data(args.text_files, args.out, args.tokenizer, binary_ok=args.binary_ok)
     print(
         f"wrote {meta['num_tokens']:,} tokens ({meta['num_documents']} documents, "
         f"{meta['dtype']}, vocab {meta['vocab_size']}) to {args.out}"
@@ -395,6 +401,7 @@ def build_parser() -> argparse.ArgumentParser:
     pd.add_argument("text_files", nargs="+", metavar="TEXT_FILE")
     pd.add_argument("--out", required=True, metavar="DIR")
     pd.add_argument("--tokenizer", default="bytes", help="'bytes' or a tokenizer.json path")
+    pd.add_argument("--binary-ok", action="store_true", help="tokenize archives/binary too")
     pd.set_defaults(func=_cmd_prepare_data)
 
     pl = sub.add_parser("plot", help="plot loss, learning rate and gradient norm of a run")
@@ -465,6 +472,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r.add_argument("-o", "--output", default="-", help="output file (default: stdout)")
     r.set_defaults(func=_cmd_render_eks)
+    add_parsers(sub)  # import-hf, export-hf, eval
     return p
 
 

@@ -37,6 +37,11 @@ workload with collectives). A value already in the environment wins, as given.
 Bad values raise ``LaunchError`` (a ``ValueError``) with one line naming the variable, the rule
 and a fix; so do ranks that disagree on the process count (``trn_accum.cluster.agreement``: each
 rank shows rank 0 its count before JAX starts, since JAX would use rank 0's and wait or run on).
+A rank whose start fails (its config refused, an import error) calls ``fail_startup``, which
+tells rank 0 and through it every other rank: all of them exit with the same line naming the
+failing rank. A coordinator port held by another program, a coordinator that never answers and
+a rank that never comes are named within ``TRN_ACCUM_STARTUP_TIMEOUT`` seconds (default 45) on
+every rank (`trn_accum.cluster.agreement`).
 JAX is imported inside ``initialize`` only: deriving a plan starts nothing. On Neuron,
 ``initialize`` also applies ``trn_accum.neuron.platform.trn2_env`` (the values
 ``launch/env/trn2.sh`` exports; what is already set wins) and selects the rbg PRNG.
@@ -46,11 +51,20 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 from collections.abc import Callable, Mapping
+from typing import NoReturn
 
 from trn_accum.cluster import agreement, rootport
-from trn_accum.errors import UserError
+from trn_accum.cluster.launch_values import (
+    RANGE,
+    LaunchError,
+    address_value,
+    check_rank,
+    expand_nodelist,
+    int_value,
+    port_value,
+)
+from trn_accum.errors import UserError, one_line
 from trn_accum.neuron import platform
 
 __all__ = [
@@ -61,12 +75,18 @@ __all__ = [
     "ProcessInfo",
     "derive_launch",
     "expand_nodelist",
+    "fail_startup",
     "initialize",
     "slurm_coordinator_port",
+    "startup_timeout",
 ]
 
 DEFAULT_K8S_PORT = 55527  # the port JAX's own Kubernetes detection uses
 DEFAULT_NEURON_ROOT_PORT = 41000  # outside JAX's Slurm range [61440, 65535]
+# seconds the ranks of a job wait for each other at start-up (TRN_ACCUM_STARTUP_TIMEOUT): a
+# rank that never comes, or a coordinator that never answers, is named after this, so every
+# rank of a job whose start failed exits within a minute
+DEFAULT_STARTUP_TIMEOUT = 45
 
 # a Slurm job step: what JAX's own Slurm detection requires
 _SLURM_STEP_VARS = (
@@ -76,10 +96,6 @@ _SLURM_STEP_VARS = (
     "SLURM_PROCID",
     "SLURM_LOCALID",
 )
-
-
-class LaunchError(UserError):
-    """The launch environment is inconsistent; one line naming the value, the rule and a fix."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,119 +140,11 @@ class ProcessInfo:
     plan: LaunchPlan
 
 
-# ----------------------------------------------------------------------------- parsing
-
-
-def _int(name: str, text: str | None, *, minimum: int = 0, maximum: int | None = None) -> int:
-    """`text` (the value of `name`) as an int in [minimum, maximum], else a LaunchError."""
-    rule = f">= {minimum}" if maximum is None else f"in {minimum}..{maximum}"
-    if text is None or not str(text).strip():
-        raise LaunchError(f"{name} is not set: it must be an integer {rule}")
-    try:
-        n = int(str(text).strip())
-    except ValueError:
-        raise LaunchError(f"{name}={text!r} is not an integer ({rule} expected)") from None
-    if n < minimum or (maximum is not None and n > maximum):
-        raise LaunchError(f"{name}={n} must be {rule}")
-    return n
-
-
-def _port(env: Mapping[str, str], name: str, default: int) -> int:
-    return _int(name, env.get(name) or str(default), minimum=1, maximum=65535)
-
-
-def _rank(name: str, process_id: int, world_name: str, num_processes: int) -> None:
-    if process_id >= num_processes:
-        raise LaunchError(
-            f"{name}={process_id} is not below {world_name}={num_processes}: ranks are "
-            f"0..{num_processes - 1}; fix the rank or the world size"
-        )
-
-
-def _address(name: str, text: str) -> str:
-    try:
-        host, port = rootport.split_address(text)
-        return f"{host}:{port}"
-    except ValueError:
-        raise LaunchError(
-            f"{name}={text!r} is not host:port (port 1-65535), e.g. node001:55527"
-        ) from None
-
-
-def _split_top_level(text: str) -> list[str]:
-    """Split on commas outside brackets ("a[1,2],b" -> ["a[1,2]", "b"])."""
-    parts, depth, cur = [], 0, []
-    for ch in text:
-        if ch == "[":
-            depth += 1
-        elif ch == "]":
-            depth -= 1
-        if ch == "," and depth == 0:
-            parts.append("".join(cur))
-            cur = []
-        else:
-            cur.append(ch)
-    parts.append("".join(cur))
-    return parts
-
-
-_BRACKET = re.compile(r"^([^\[\]]*)\[([^\[\]]*)\](.*)$")
-_RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
-_HOST = re.compile(r"^[A-Za-z0-9._-]+$")
-
-
-def _expand_item(item: str) -> list[str]:
-    m = _BRACKET.match(item)
-    if m is None:
-        if not _HOST.match(item):
-            raise ValueError(item)
-        return [item]
-    prefix, body, rest = m.groups()
-    if prefix and not _HOST.match(prefix):
-        raise ValueError(item)
-    numbers = []
-    for part in body.split(","):
-        r = _RANGE.match(part.strip())
-        if r is None:
-            raise ValueError(item)
-        lo, hi = r.group(1), r.group(2) or r.group(1)
-        if int(hi) < int(lo):
-            raise ValueError(item)
-        numbers += [str(i).zfill(len(lo)) for i in range(int(lo), int(hi) + 1)]  # keeps "007"
-    tails = _expand_item(rest) if rest else [""]
-    return [prefix + n + t for n in numbers for t in tails]
-
-
-def expand_nodelist(nodelist: str) -> list[str]:
-    """Expand a Slurm hostlist without calling `scontrol show hostnames`.
-
-    "trn2-[001-004,007],other5" -> ["trn2-001", ..., "trn2-004", "trn2-007", "other5"];
-    zero padding is kept ("[08-10]" -> 08, 09, 10); several bracket groups in one name expand
-    as a product ("r[1-2]n[1-2]" -> r1n1, r1n2, r2n1, r2n2). Raises LaunchError otherwise.
-    """
-    text = (nodelist or "").strip()
-    try:
-        if not text or text.count("[") != text.count("]"):
-            raise ValueError(text)
-        hosts = []
-        for item in _split_top_level(text):
-            if not item:
-                raise ValueError(item)
-            hosts += _expand_item(item)
-        return hosts
-    except ValueError:
-        raise LaunchError(
-            f"SLURM_STEP_NODELIST={nodelist!r} is not a Slurm host list (e.g. "
-            f"'trn2-[001-004,007],other5'); run under srun, or set TRN_ACCUM_COORDINATOR, "
-            f"TRN_ACCUM_NUM_PROCESSES and TRN_ACCUM_PROCESS_ID explicitly"
-        ) from None
-
-
 def slurm_coordinator_port(env: Mapping[str, str]) -> int:
     """JAX's Slurm port: `JAX_COORDINATOR_PORT`, else SLURM_JOB_ID % 4096 + 61440."""
     if env.get("JAX_COORDINATOR_PORT"):
-        return _port(env, "JAX_COORDINATOR_PORT", 0)
-    return _int("SLURM_JOB_ID", env.get("SLURM_JOB_ID")) % 4096 + 61440
+        return port_value(env, "JAX_COORDINATOR_PORT", 0)
+    return int_value("SLURM_JOB_ID", env.get("SLURM_JOB_ID")) % 4096 + 61440
 
 
 # ----------------------------------------------------------------------------- derivation
@@ -250,7 +158,7 @@ def _count_cores(spec: str) -> int:
     """Number of cores in NEURON_RT_VISIBLE_CORES ("0-63", "0,1,2", "0-31,64-95")."""
     n = 0
     for part in spec.split(","):
-        r = _RANGE.match(part.strip())
+        r = RANGE.match(part.strip())
         if r is None or int(r.group(2) or r.group(1)) < int(r.group(1)):
             raise LaunchError(
                 f"NEURON_RT_VISIBLE_CORES={spec!r} is not a core list like '0-63' or '0,1,2'"
@@ -262,7 +170,7 @@ def _count_cores(spec: str) -> int:
 def neuron_devices_per_process(env: Mapping[str, str]) -> int:
     """JAX devices each process drives on Neuron (64 on a trn2.48xlarge at LNC=2)."""
     if env.get("TRN_ACCUM_DEVICES_PER_PROCESS"):
-        return _int(
+        return int_value(
             "TRN_ACCUM_DEVICES_PER_PROCESS", env["TRN_ACCUM_DEVICES_PER_PROCESS"], minimum=1
         )
     if env.get("NEURON_RT_VISIBLE_CORES"):
@@ -275,7 +183,7 @@ def neuron_devices_per_process(env: Mapping[str, str]) -> int:
 
 
 def _neuron_env(env: Mapping[str, str], plan: LaunchPlan, resolve) -> dict[str, str]:
-    root_port = _port(env, "TRN_ACCUM_NEURON_ROOT_PORT", DEFAULT_NEURON_ROOT_PORT)
+    root_port = port_value(env, "TRN_ACCUM_NEURON_ROOT_PORT", DEFAULT_NEURON_ROOT_PORT)
     # The runtime guide (neuron-runtime/guides/nrt-developer-guide.rst:1062) calls it mandatory
     # with collectives: one process too (its cores' collectives; the root is this host).
     try:
@@ -299,7 +207,7 @@ def _neuron_env(env: Mapping[str, str], plan: LaunchPlan, resolve) -> dict[str, 
 
 def _explicit(env, coordinator, num_processes, process_id) -> LaunchPlan:
     num_name = "TRN_ACCUM_NUM_PROCESSES" if num_processes is None else "num_processes"
-    num = _int(
+    num = int_value(
         num_name, env.get(num_name, "1") if num_processes is None else str(num_processes), minimum=1
     )
     pid_name = (
@@ -307,8 +215,8 @@ def _explicit(env, coordinator, num_processes, process_id) -> LaunchPlan:
         if process_id is None and env.get("TRN_ACCUM_PROCESS_ID") is not None
         else "process_id"
     )
-    pid = _int(pid_name, env.get(pid_name) if process_id is None else str(process_id))
-    _rank(pid_name, pid, "num_processes", num)
+    pid = int_value(pid_name, env.get(pid_name) if process_id is None else str(process_id))
+    check_rank(pid_name, pid, "num_processes", num)
     coord = coordinator if coordinator is not None else env.get("TRN_ACCUM_COORDINATOR")
     if num == 1:
         return LaunchPlan("single", 1, 0)
@@ -318,23 +226,23 @@ def _explicit(env, coordinator, num_processes, process_id) -> LaunchPlan:
             f"(process 0's host and a free port) or pass coordinator='host:port'"
         )
     return LaunchPlan(
-        "explicit", num, pid, _address("coordinator", coord), num_processes_from=num_name
+        "explicit", num, pid, address_value("coordinator", coord), num_processes_from=num_name
     )
 
 
 def _kubernetes(env: Mapping[str, str]) -> LaunchPlan:
-    pid = _int("JOB_COMPLETION_INDEX", env.get("JOB_COMPLETION_INDEX"))
+    pid = int_value("JOB_COMPLETION_INDEX", env.get("JOB_COMPLETION_INDEX"))
     if not env.get("TRN_ACCUM_NUM_PROCESSES"):
         raise LaunchError(
             "JOB_COMPLETION_INDEX is set (Kubernetes Indexed Job) but TRN_ACCUM_NUM_PROCESSES is "
             "not: set it to the Job's completions (the node count), as `trn-accum render-eks` does"
         )
-    num = _int("TRN_ACCUM_NUM_PROCESSES", env["TRN_ACCUM_NUM_PROCESSES"], minimum=1)
-    _rank("JOB_COMPLETION_INDEX", pid, "TRN_ACCUM_NUM_PROCESSES", num)
+    num = int_value("TRN_ACCUM_NUM_PROCESSES", env["TRN_ACCUM_NUM_PROCESSES"], minimum=1)
+    check_rank("JOB_COMPLETION_INDEX", pid, "TRN_ACCUM_NUM_PROCESSES", num)
     job, sub = env.get("TRN_ACCUM_JOB_NAME", ""), env.get("TRN_ACCUM_SUBDOMAIN", "")
     hosts: tuple[str, ...] = ()
     if env.get("TRN_ACCUM_COORDINATOR"):
-        coord = _address("TRN_ACCUM_COORDINATOR", env["TRN_ACCUM_COORDINATOR"])
+        coord = address_value("TRN_ACCUM_COORDINATOR", env["TRN_ACCUM_COORDINATOR"])
     elif num == 1:
         coord = None
     else:
@@ -347,7 +255,7 @@ def _kubernetes(env: Mapping[str, str]) -> LaunchPlan:
                 f"is <job>-0.<subdomain>:<port>; set them (the Job name and its headless "
                 f"Service) or TRN_ACCUM_COORDINATOR=host:port"
             )
-        port = _port(env, "TRN_ACCUM_COORDINATOR_PORT", DEFAULT_K8S_PORT)
+        port = port_value(env, "TRN_ACCUM_COORDINATOR_PORT", DEFAULT_K8S_PORT)
         hosts = tuple(f"{job}-{i}.{sub}" for i in range(num))
         coord = f"{hosts[0]}:{port}"
     if num == 1:
@@ -357,13 +265,13 @@ def _kubernetes(env: Mapping[str, str]) -> LaunchPlan:
 
 def _slurm(env: Mapping[str, str]) -> LaunchPlan:
     hosts = tuple(expand_nodelist(env["SLURM_STEP_NODELIST"]))
-    num = _int("SLURM_NTASKS", env["SLURM_NTASKS"], minimum=1)
-    pid = _int("SLURM_PROCID", env["SLURM_PROCID"])
-    _rank("SLURM_PROCID", pid, "SLURM_NTASKS", num)
+    num = int_value("SLURM_NTASKS", env["SLURM_NTASKS"], minimum=1)
+    pid = int_value("SLURM_PROCID", env["SLURM_PROCID"])
+    check_rank("SLURM_PROCID", pid, "SLURM_NTASKS", num)
     if num == 1:
         return LaunchPlan("single", 1, 0, None, hosts)
     if env.get("JAX_COORDINATOR_ADDRESS"):
-        coord = _address("JAX_COORDINATOR_ADDRESS", env["JAX_COORDINATOR_ADDRESS"])
+        coord = address_value("JAX_COORDINATOR_ADDRESS", env["JAX_COORDINATOR_ADDRESS"])
     else:
         coord = f"{hosts[0]}:{slurm_coordinator_port(env)}"
     return LaunchPlan("slurm", num, pid, coord, hosts, num_processes_from="SLURM_NTASKS")
@@ -411,6 +319,32 @@ def derive_launch(
 # ----------------------------------------------------------------------------- initialize
 
 
+def startup_timeout(env: Mapping[str, str]) -> int:
+    """`TRN_ACCUM_STARTUP_TIMEOUT` (seconds >= 1), else DEFAULT_STARTUP_TIMEOUT. Raise it where
+    the ranks of a job start far apart (a node pulling its container image)."""
+    name = "TRN_ACCUM_STARTUP_TIMEOUT"
+    return int_value(name, env.get(name) or str(DEFAULT_STARTUP_TIMEOUT), minimum=1)
+
+
+def fail_startup(error: UserError, env: Mapping[str, str] | None = None) -> NoReturn:
+    """Raise `error` (this process's start-up failure: its config refused, an import error)
+    after telling the rest of a multi-process job (`agreement.check_count(failed=...)`, within
+    `startup_timeout`), so that every rank exits with one line naming the failing rank instead
+    of waiting for it. A single process (or an environment that names no job) raises `error`
+    as it is."""
+    env = os.environ if env is None else env
+    try:
+        plan = derive_launch(env, neuron=False)
+        timeout = startup_timeout(env)
+    except LaunchError:
+        raise error from None
+    if not plan.distributed:
+        raise error
+    claim = agreement.Claim(plan.process_id, plan.num_processes, plan.num_processes_from)
+    line = agreement.check_count(claim, str(plan.coordinator), timeout, failed=one_line(error))
+    raise LaunchError(str(line), exit_code=error.exit_code) from None
+
+
 def on_neuron() -> bool:
     """Whether the Neuron backend will run here: `trn_accum.neuron.platform.neuron_available()`
     (plugin installed, /dev/neuron* present, `JAX_PLATFORMS` allows it; nothing is started)."""
@@ -424,7 +358,7 @@ def initialize(
     num_processes: int | None = None,
     process_id: int | None = None,
     neuron: bool | None = None,
-    initialization_timeout: int = 300,
+    initialization_timeout: int | None = None,
     heartbeat_timeout_seconds: int | None = None,
 ) -> ProcessInfo:
     """Start `jax.distributed` as the environment says; call before any JAX computation.
@@ -433,19 +367,24 @@ def initialize(
       `os.environ` in every case (the backend reads them there).
     coordinator/num_processes/process_id: explicit values (override any detection).
     neuron: force Neuron on/off (default: `on_neuron()`).
-    initialization_timeout / heartbeat_timeout_seconds: passed to `jax.distributed.initialize`
-      (a dead peer makes every other process exit after the heartbeat timeout; JAX's default
-      is 100 s); on Neuron in a Kubernetes pod, initialization_timeout also bounds the wait for
-      the root pod's name to resolve.
+    initialization_timeout: how long the ranks wait for each other at start-up (default
+      `startup_timeout(env)`): the handshake of `trn_accum.cluster.agreement`, then
+      `jax.distributed.initialize`; on Neuron in a Kubernetes pod also the wait for the root
+      pod's name to resolve.
+    heartbeat_timeout_seconds: passed to `jax.distributed.initialize` (a dead peer makes
+      every other process exit after it; JAX's default is 100 s).
 
-    Single process: starts nothing. Slurm: `jax.distributed.initialize` detects the step itself
-    from `os.environ` (the plan must agree; checked after start-up). Kubernetes / explicit:
-    the plan's values, with JAX's cluster detection off, once every rank has shown rank 0 the
-    same process count (`trn_accum.cluster.agreement`; within `initialization_timeout`).
+    Single process: starts nothing. Otherwise every rank first shows rank 0 its process count
+    (`trn_accum.cluster.agreement`, within `initialization_timeout`; a rank that failed at
+    start-up reports it there instead, `fail_startup`). Slurm: `jax.distributed.initialize`
+    detects the step itself from `os.environ` (the plan must agree; checked after start-up).
+    Kubernetes / explicit: the plan's values, with JAX's cluster detection off.
     Idempotent: a second call returns the same info.
     Does not start the JAX backend (no devices are queried).
     """
     env = os.environ if env is None else env
+    if initialization_timeout is None:
+        initialization_timeout = startup_timeout(env)
     if neuron is None:
         neuron = on_neuron()
     plan = derive_launch(
@@ -472,6 +411,11 @@ def initialize(
     kwargs: dict = {"initialization_timeout": int(initialization_timeout)}
     if heartbeat_timeout_seconds is not None:
         kwargs["heartbeat_timeout_seconds"] = int(heartbeat_timeout_seconds)
+    # the coordinator's count rules in JAX: compare every rank's first (agreement.py)
+    claim = agreement.Claim(plan.process_id, plan.num_processes, plan.num_processes_from)
+    problem = agreement.check_count(claim, str(plan.coordinator), initialization_timeout)
+    if problem is not None:
+        raise LaunchError(problem)
     if plan.mode == "slurm":
         jax.distributed.initialize(cluster_detection_method="slurm", **kwargs)
         from jax._src.distributed import global_state as state  # no backend start
@@ -483,11 +427,6 @@ def initialize(
                 f"says {plan.process_id} of {plan.num_processes}: check SLURM_PROCID/SLURM_NTASKS"
             )
     else:
-        # the coordinator's count rules in JAX: compare every rank's first (agreement.py)
-        claim = agreement.Claim(plan.process_id, plan.num_processes, plan.num_processes_from)
-        problem = agreement.check_count(claim, plan.coordinator, initialization_timeout)
-        if problem is not None:
-            raise LaunchError(problem)
         jax.distributed.initialize(
             plan.coordinator,
             plan.num_processes,

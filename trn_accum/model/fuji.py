@@ -45,6 +45,7 @@ from jax.sharding import PartitionSpec as P
 from trn_accum.core.sharding import constrain
 from trn_accum.model.attention import IMPLS as ATTENTION_IMPLS
 from trn_accum.model.attention import attention
+from trn_accum.model.rope import ROPE_SCALINGS, ROPE_STYLES, apply_rope, inverse_frequencies
 from trn_accum.model.xent import cross_entropy, lm_logits
 
 COMPUTE_DTYPES = ("bfloat16", "float32")
@@ -54,9 +55,6 @@ REMAT_POLICIES = ("none", "full", "save_qkvo")
 # fuji-3B-v3, axlearn/experiments/testdata/.../fuji-3B-v3_init.txt: normal(0, 1/fan_in) for
 # q/k/v/o/gate/up/down, the embedding normal(0, 1/fan_out)); "normal": std `init_std` for all.
 INITS = ("fan_in", "normal")
-# RoPE pairs: "interleaved" (x[2i], x[2i+1]), AXLearn's convention, so AXLearn checkpoints load
-# and compare; "halves" (x[i], x[i + Dh/2]), the GPT-NeoX / Llama-HF convention.
-ROPE_STYLES = ("interleaved", "halves")
 
 
 def _choices(*allowed: str) -> dict:
@@ -85,7 +83,12 @@ class ModelConfig:
     max_seq_len: int = 8192
     init: str = field(default="fan_in", metadata=_choices(*INITS))
     init_std: float = 0.02  # init = "normal": normal(0, init_std) for every matrix
-    rope: str = field(default="interleaved", metadata=_choices(*ROPE_STYLES))
+    rope: str = field(default="interleaved", metadata=_choices(*ROPE_STYLES))  # model/rope.py
+    rope_scaling: str = field(default="none", metadata=_choices(*ROPE_SCALINGS))  # "llama3"
+    rope_scaling_factor: float = 32.0  # the llama3 scaling's factor, low/high_freq_factor and
+    rope_low_freq_factor: float = 1.0  # original_max_position_embeddings (Llama 3.2's values)
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
     compute_dtype: str = field(default="bfloat16", metadata=_choices(*COMPUTE_DTYPES))
     layer_loop: str = field(default="scan", metadata=_choices(*LAYER_LOOPS))
     # none | full | save_qkvo (reference: keep the q/k/v/o projections and attention context)
@@ -333,29 +336,6 @@ def rms_norm(x, scale, eps: float):
     return y.astype(x.dtype)
 
 
-def apply_rope(x, positions, theta: float, style: str = "interleaved"):
-    """Rotary position embedding. x [B, S, N, Dh], positions int [S] or [B, S].
-
-    Rotates pair i by angle position * theta^(-2i/Dh), in float32; returns x's dtype. The pairs
-    (`style`): "interleaved" (x[..., 2i], x[..., 2i+1]), AXLearn's convention; "halves"
-    (x[..., i], x[..., i + Dh/2]). Scores q.k of rotated vectors depend only on the position
-    difference, in either style.
-    """
-    if style not in ROPE_STYLES:
-        raise ValueError(f"rope style {style!r} is not one of {ROPE_STYLES}")
-    half = x.shape[-1] // 2
-    inv_freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angle = positions.astype(jnp.float32)[..., None] * inv_freq  # [(B,) S, Dh/2]
-    cos, sin = jnp.cos(angle)[..., None, :], jnp.sin(angle)[..., None, :]  # [(B,) S, 1, Dh/2]
-    xf = x.astype(jnp.float32)
-    if style == "halves":
-        x1, x2 = jnp.split(xf, 2, axis=-1)
-        return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
-    x1, x2 = xf[..., 0::2], xf[..., 1::2]
-    out = jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)  # [..., Dh/2, 2]
-    return out.reshape(x.shape).astype(x.dtype)
-
-
 def _fused_qkv(h, layer, cfg: ModelConfig):
     """q [B, S, H, Dh], k and v [B, S, KV, Dh] from one grouped projection (AXLearn's
     `FusedGroupedQKVLinear`, the v3 configs' QKV layer): the weights are laid out per KV head
@@ -388,16 +368,13 @@ def _block(x, layer, cfg: ModelConfig):
     """One pre-norm decoder block. x [B, S, D] (compute dtype); layer: one layer of params."""
     dt = x.dtype
     positions = jnp.arange(x.shape[1], dtype=jnp.int32)
+    rope = (positions, cfg.rope_theta, cfg.rope, inverse_frequencies(cfg))
 
     h = rms_norm(x, layer["attn_norm"], cfg.norm_eps)
     q, k, v = _fused_qkv(h, layer, cfg)
     heads = ("batch", "seq", "heads", None)
-    q = checkpoint_name(
-        shard_activation(apply_rope(q, positions, cfg.rope_theta, cfg.rope), heads), "q_proj"
-    )
-    k = checkpoint_name(
-        shard_activation(apply_rope(k, positions, cfg.rope_theta, cfg.rope), heads), "k_proj"
-    )
+    q = checkpoint_name(shard_activation(apply_rope(q, *rope), heads), "q_proj")
+    k = checkpoint_name(shard_activation(apply_rope(k, *rope), heads), "k_proj")
     v = checkpoint_name(shard_activation(v, heads), "v_proj")
     ctx = attention(q, k, v, impl=cfg.attention, block_size=cfg.attention_block, kv_mask=None)
     ctx = checkpoint_name(shard_activation(ctx, heads), "context")

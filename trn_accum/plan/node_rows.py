@@ -191,6 +191,12 @@ def max_rel(got, want) -> float:
     )
 
 
+def blockwise_f32(q, k, v, block_size: int = 512):
+    """The reference for a kernel in any dtype: blockwise attention in float32, cast back."""
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    return attn_lib.blockwise_attention(*f32, block_size=block_size).astype(q.dtype)
+
+
 def compare_attention(fn, ref, args, tol: float, what: str) -> tuple[str, str]:
     got = jax.jit(lambda *a: out_and_grads(fn, *a))(*args)
     want = jax.jit(lambda *a: out_and_grads(ref, *a))(*args)
@@ -219,12 +225,8 @@ def row_kernel_pair(c) -> tuple[str, str]:
         fn = functools.partial(
             kernels.nki_flash_attention, fwd=found["fwd"], bwd=found["bwd"], lnc=lnc
         )
-
-        def ref(q, k, v):
-            f32 = [x.astype(jnp.float32) for x in (q, k, v)]
-            return attn_lib.blockwise_attention(*f32, block_size=512).astype(q.dtype)
-
-        status, detail = compare_attention(fn, ref, args, tol, f"LNC={lnc} {shape.label()}")
+        what = f"LNC={lnc} {shape.label()}"
+        status, detail = compare_attention(fn, blockwise_f32, args, tol, what)
         seen.append(detail)
         if status == FAIL:
             return FAIL, "; ".join(seen)

@@ -13,8 +13,9 @@ on object stores (gs://) it writes into ``<step>`` and commits by writing
 ``commit_success.txt``. Either way orbax's step listing (``CheckpointManager.all_steps``) holds
 committed steps only. ``Checkpointer`` additionally lists every step-named directory that orbax
 does not count as committed and, when such a step is newer than the newest committed one, logs
-a warning naming it (a save that was killed) and resumes from the newest committed step. Nothing
-is ever deleted on restore; an uncommitted directory is replaced when that step is saved again.
+a warning naming it (a save that was killed) and resumes from the newest committed step. At
+start, process 0 removes the ``*.orbax-checkpoint-tmp*`` leftovers of killed saves and deletions
+and logs the bytes freed (`trn_accum.train.ckpt_dir`); a committed step is never touched.
 
 Keep-last-K is done here, after a commit: only steps older than the newest `keep` committed ones
 are deleted (renamed to ``<step>.orbax-checkpoint-tmp-deleted`` first); one that cannot be is a
@@ -53,10 +54,12 @@ import jax
 import numpy as np
 
 from trn_accum.errors import EXIT_SAVE_FAILED, UserError
+from trn_accum.train.ckpt_dir import DELETED_SUFFIX, STEP_DIR, make_writable_dir, remove_leftovers
+
+__all__ = ["CheckpointError", "Checkpointer", "abstract_state", "make_writable_dir"]
 
 STATE_ITEM = "state"
 META_ITEM = "meta"
-_STEP_DIR = re.compile(r"^(\d+)(\.orbax-checkpoint-tmp.*)?$")
 
 log = logging.getLogger(__name__)
 
@@ -146,16 +149,6 @@ def abstract_state(tree: Any) -> Any:
     return jax.tree.map(leaf, tree)
 
 
-def make_writable_dir(directory: str) -> None:
-    """Creates `directory` (and parents) and proves it writable with a probe file; OSError
-    otherwise. Callers turn the OSError into their own one-line error."""
-    os.makedirs(directory, exist_ok=True)
-    probe = os.path.join(directory, f".write-probe-{os.getpid()}")
-    with open(probe, "w") as f:
-        f.write("ok")
-    os.remove(probe)
-
-
 class Checkpointer:
     """Save every `save_every` steps (and on demand), keep the newest `keep`, resume the newest.
 
@@ -192,6 +185,8 @@ class Checkpointer:
                 f"checkpoint directory {self.directory} is not writable ({e.strerror}): choose "
                 f"another run directory or fix its permissions"
             ) from None
+        if jax.process_index() == 0:  # killed saves' and deletions' full-size copies
+            remove_leftovers(self.directory)
         self.keep = None if keep is None else int(keep)
         self._async = bool(async_save)
         self._rotated: set[int] = set()  # steps keep-last-K has deleted (or tried to)
@@ -230,7 +225,7 @@ class Checkpointer:
         committed = set(self.committed_steps())
         out = []
         for name in os.listdir(self.directory):
-            m = _STEP_DIR.match(name)
+            m = STEP_DIR.match(name)
             path = os.path.join(self.directory, name)
             if m and os.path.isdir(path):
                 step = int(m.group(1))
@@ -312,7 +307,7 @@ class Checkpointer:
                 continue
             path = self.step_path(step)
             try:  # renamed first: uncommitted from then on, even if the rmtree stops half-way
-                os.rename(path, doomed := f"{path}.orbax-checkpoint-tmp-deleted")
+                os.rename(path, doomed := path + DELETED_SUFFIX)
                 shutil.rmtree(doomed)
             except OSError as e:
                 log.warning(

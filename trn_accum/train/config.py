@@ -1,7 +1,10 @@
 """Typed run configuration: dataclasses per section, loaded from TOML, validated on load.
 
-A config file has the sections `[model]`, `[mesh]`, `[data]`, `[optimizer]`, `[trainer]`,
-`[checkpoint]`; a missing key takes the dataclass default, an unknown key is an error.
+A config file names every section `[model]`, `[mesh]`, `[data]`, `[optimizer]`, `[trainer]`,
+`[checkpoint]`, or builds on another file with a top-level `extends = "fuji-tiny.toml"`
+(relative to the file; its tables' keys override the base's), so that an empty or partial file
+is refused instead of meaning the 3B defaults. Within a section a missing key takes the
+dataclass default; an unknown key is an error.
 `load_config(path, overrides)` applies `--set`-style overrides ("section.key=value", value parsed
 as TOML, a bare word taken as a string) and validates every field and the cross-section rules.
 Every problem raises `ConfigError` (a ValueError) with one line naming the key, the value and
@@ -27,17 +30,16 @@ from trn_accum.core.accumulate import REDUCE_DTYPES
 from trn_accum.core.accumulate import REDUCES as GRAD_REDUCTIONS
 from trn_accum.core.gather_once import GATHERS
 from trn_accum.core.sharding import check_axis_sizes
-from trn_accum.errors import UserError
 from trn_accum.model.fuji import RULES, ModelConfig
 from trn_accum.neuron.platform import DEVICE_BUDGET_GIB
+from trn_accum.train.config_file import EXTENDS, ConfigError, read_config_file
 from trn_accum.train.data import DATA_KINDS
 from trn_accum.train.optim import KINDS as OPTIMIZER_KINDS
 
 SHARDING_RULE_SETS = tuple(RULES)
-
-
-class ConfigError(UserError):
-    """A bad configuration: one line naming the key, the value and what is allowed."""
+# seeds feed jax.random.key (32 bits are kept on the default PRNG) and numpy's SeedSequence
+# (which refuses negatives): one range for both
+MAX_SEED = 2**32 - 1
 
 
 def _choice(*allowed: str) -> dict:
@@ -115,6 +117,9 @@ class TrainerConfig:
     # dropped_minibatches); off by default: on XLA:CPU the finiteness test makes the
     # partitioner all-reduce the FSDP gradient partials in bf16 instead of float32 (README)
     skip_nonfinite: bool = False
+    # end the run (exit 2) once more than this fraction of its steps so far were skipped as
+    # non-finite (checked from the first log_every steps on, and at the end); 1 = never
+    max_skipped_fraction: float = 0.5
 
 
 @dataclass(frozen=True)
@@ -148,22 +153,20 @@ SECTIONS: dict[str, type] = {
 
 
 def load_config(path: str | Path, overrides: Iterable[str] = ()) -> Config:
-    """Read a TOML config, apply "section.key=value" overrides, validate. Raises ConfigError."""
-    path = Path(path)
-    try:
-        with path.open("rb") as f:
-            raw = tomllib.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"config file {str(path)!r} does not exist") from None
-    except OSError as e:
-        raise ConfigError(f"config file {str(path)!r} cannot be read: {e.strerror}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
-    except UnicodeDecodeError as e:
+    """Read a TOML config (and the chain of files it `extends`), apply "section.key=value"
+    overrides, validate. The file, after its `extends` chain, must name every section of
+    SECTIONS. Raises ConfigError."""
+    raw = read_config_file(Path(path))
+    _check_tables(raw)
+    missing = [name for name in SECTIONS if name not in raw]
+    if missing:
         raise ConfigError(
-            f"config file {str(path)!r} is not UTF-8 text (byte {e.start}): pass a TOML config "
-            f"file such as configs/fuji-tiny.toml"
-        ) from None
+            f"config file {str(path)!r} does not name the section(s) "
+            f"{', '.join(f'[{n}]' for n in missing)}: the trainer needs every one of "
+            f"{', '.join(f'[{n}]' for n in SECTIONS)} (a missing key takes its default); add "
+            f'them, or start the file with extends = "fuji-tiny.toml" (a config it builds on, '
+            f"relative to the file)"
+        )
     return config_from_dict(apply_overrides(raw, overrides))
 
 
@@ -204,19 +207,27 @@ def parse_override(item: str) -> tuple[str, str, Any]:
 
 def config_from_dict(raw: Mapping[str, Any]) -> Config:
     """Build and validate a Config from a nested dict (TOML tables, or `config_to_dict` output)."""
-    if not isinstance(raw, Mapping):
-        raise ConfigError(f"config must be a table of sections, got {type(raw).__name__}")
-    for name, value in raw.items():
-        if name not in SECTIONS:
-            raise ConfigError(f"unknown config section [{name}]; allowed: {', '.join(SECTIONS)}")
-        if not isinstance(value, Mapping):
-            raise ConfigError(f"[{name}] must be a table of keys, got {value!r}")
+    _check_tables(raw)
     sections = {
         name: _build_section(name, cls, raw.get(name, {})) for name, cls in SECTIONS.items()
     }
     cfg = Config(**sections)
     _check_config(cfg)
     return cfg
+
+
+def _check_tables(raw: Mapping[str, Any]) -> None:
+    """Every top-level name of `raw` is a known section holding a table (ConfigError)."""
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"config must be a table of sections, got {type(raw).__name__}")
+    for name, value in raw.items():
+        if name not in SECTIONS:
+            raise ConfigError(
+                f"unknown config section [{name}]; allowed: {', '.join(SECTIONS)} (and a "
+                f'top-level {EXTENDS} = "base.toml")'
+            )
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"[{name}] must be a table of keys, got {value!r}")
 
 
 def config_to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
@@ -314,8 +325,17 @@ def _check_config(cfg: Config) -> None:
         f"must divide model.num_heads ({m.num_heads})",
     )
     _require(m.head_dim % 2 == 0, "model.head_dim", m.head_dim, "must be even (RoPE rotates pairs)")
-    for name in ("rope_theta", "norm_eps", "init_std"):
+    for name in (
+        "rope_theta",
+        "norm_eps",
+        "init_std",
+        "rope_scaling_factor",
+        "rope_low_freq_factor",
+    ):
         _require(getattr(m, name) > 0, f"model.{name}", getattr(m, name), "must be > 0")
+    hi, lo, n = m.rope_high_freq_factor, m.rope_low_freq_factor, m.rope_original_max_len
+    _require(hi > lo, "model.rope_high_freq_factor", hi, f"must be > rope_low_freq_factor {lo}")
+    _require(n >= 1, "model.rope_original_max_len", n, "must be >= 1")
     _require(m.loss_chunk >= 0, "model.loss_chunk", m.loss_chunk, "must be >= 0 (0 = no chunking)")
 
     try:
@@ -364,6 +384,8 @@ def _check_config(cfg: Config) -> None:
     )
     _require(d.global_batch >= 1, "data.global_batch", d.global_batch, "must be >= 1")
     _require(d.eval_batches >= 0, "data.eval_batches", d.eval_batches, "must be >= 0")
+    for key, seed in (("data.seed", d.seed), ("trainer.seed", t.seed)):
+        _require(0 <= seed <= MAX_SEED, key, seed, f"must be in 0..{MAX_SEED} (a 32-bit seed)")
     _require(
         d.kind != "tokens" or bool(d.path),
         "data.path",
@@ -405,6 +427,12 @@ def _check_config(cfg: Config) -> None:
         "trainer.stop_after_nonfinite",
         t.stop_after_nonfinite,
         "must be >= 0 (0 = never stop)",
+    )
+    _require(
+        0 <= t.max_skipped_fraction <= 1,
+        "trainer.max_skipped_fraction",
+        t.max_skipped_fraction,
+        "must be in [0, 1] (1 = never stop)",
     )
     _require(t.log_every >= 1, "trainer.log_every", t.log_every, "must be >= 1")
     _require(t.eval_every >= 0, "trainer.eval_every", t.eval_every, "must be >= 0 (0 = never)")

@@ -47,6 +47,7 @@ FREE_KEYS = frozenset(
         "trainer.gather",
         "trainer.memory_budget_gib",
         "trainer.stop_after_nonfinite",
+        "trainer.max_skipped_fraction",
         "data.eval_batches",
         "model.layer_loop",
         "model.remat",

@@ -15,7 +15,9 @@ checked against the one the resumed checkpoint was trained with (`trn_accum.trai
 At every step boundary the processes agree, in one all-gather, on whether to stop: a signal
 (save, exit 75), a background checkpoint save that failed (exit 74, previous checkpoint
 intact), a lost claim, or the last `trainer.stop_after_nonfinite` steps (all of them in a
-shorter run) skipped as non-finite (exit 2).
+shorter run) skipped as non-finite (exit 2), or more than `trainer.max_skipped_fraction` of
+the run's steps skipped, judged every `log_every` steps and at the last (exit 2). A skipped
+step is a warning on the console, at most one per `log_every` steps.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from typing import Any
 import jax
 
 from trn_accum.cluster import distributed
-from trn_accum.errors import EXIT_PREEMPTED, EXIT_SAVE_FAILED
+from trn_accum.errors import EXIT_PREEMPTED, EXIT_SAVE_FAILED, UserError
 from trn_accum.model import fuji
 from trn_accum.neuron import platform
 from trn_accum.train import autok, drift, rundir, step
@@ -183,9 +185,12 @@ def run(
     (`allow_config_change`: keys or sections) and, with `profile=(start, stop)`, `profile/` (a
     jax.profiler trace of the steps numbered start..stop-1, numbered as logged: from 1).
     """
-    cfg = load_config(config_path, overrides)
-    defaults = drift.run_record(config_to_dict(Config()), None)
-    allowed = drift.check_allowed_keys(allow_config_change, defaults)
+    try:
+        cfg = load_config(config_path, overrides)
+        defaults = drift.run_record(config_to_dict(Config()), None)
+        allowed = drift.check_allowed_keys(allow_config_change, defaults)
+    except UserError as e:  # the other ranks of a job hear of it instead of waiting for it
+        distributed.fail_startup(e)
     # jax.distributed first: in a multi-process run it installs JAX's own SIGTERM notifier,
     # which would replace our handler if it came after it (then SIGTERM saves nothing).
     distributed.initialize()  # Slurm / Kubernetes / explicit env; the Neuron env on trn2
@@ -290,6 +295,31 @@ def _nonfinite_error(cfg: Config, done: int, count: int, ckpt) -> step.TrainErro
     )
 
 
+MIN_STEPS_JUDGED = 10  # a share of fewer steps says little (one skipped step of two)
+
+
+def too_many_skipped(skipped: int, done: int, total: int, every: int, fraction: float) -> bool:
+    """Whether the run ends here for its non-finite steps: `skipped` of its `done` steps so far
+    is more than `fraction` of them, judged at each `every`-th step from MIN_STEPS_JUDGED on
+    and at the last (`total`), whatever the run's length. fraction 1 = never."""
+    judged = (done % every == 0 and done >= MIN_STEPS_JUDGED) or done == total
+    return fraction < 1 and judged and skipped > fraction * done
+
+
+def _skipped_fraction_error(cfg: Config, done: int, skipped: int, ckpt) -> step.TrainError:
+    steps = ckpt.committed_steps()
+    newest = ckpt.step_path(steps[-1]) if steps else "none yet"
+    data = cfg.data.path if cfg.data.kind == "tokens" else "synthetic"
+    return step.TrainError(
+        f"step {done}: {skipped} of the run's {done} steps ({skipped / done:.0%}) were skipped "
+        f"as non-finite (loss or gradient norm NaN/inf), more than "
+        f"trainer.max_skipped_fraction = {cfg.trainer.max_skipped_fraction}: the run is not "
+        f"learning; suspects: the learning rate (optimizer.peak_lr = {cfg.optimizer.peak_lr}), "
+        f"the data ({data}), the precision without loss scaling (model.compute_dtype = "
+        f"{cfg.model.compute_dtype}); newest checkpoint: {newest}"
+    )
+
+
 def _check_problems(pre, failure, claim) -> None:
     """Raise for a failed save or a lost claim that some process reported at this boundary."""
     if "save_failed" in pre.problems:
@@ -320,6 +350,7 @@ def _loop(trainer: Trainer, state, start: int, ckpt, logger, run_dir, profile, p
         except MetricsError:
             in_a_row = 0
     skipped = int(jax.device_get(state["skipped"]))
+    warned_window = -1  # the log_every window of the last non-finite warning
 
     t0 = time.perf_counter()
     finished, compiled = run_unless_signalled(lambda: trainer.program.compiled, pre)
@@ -358,8 +389,21 @@ def _loop(trainer: Trainer, state, start: int, ckpt, logger, run_dir, profile, p
         if tracing and (done + 1 >= profile[1] or done == total):
             jax.profiler.stop_trace()
             tracing = False
-        in_a_row = in_a_row + 1 if int(m["skipped_steps"]) > skipped else 0
+        was_skipped = int(m["skipped_steps"]) > skipped
+        in_a_row = in_a_row + 1 if was_skipped else 0
         skipped = int(m["skipped_steps"])
+        window = (done - 1) // cfg.trainer.log_every
+        if was_skipped and window != warned_window:  # at most once per log_every steps
+            warned_window = window
+            logger.message(
+                f"warning: step {done} was skipped as non-finite (loss {float(m['loss']):.4g}, "
+                f"grad norm {float(m['grad_norm']):.4g}): {skipped} of {done} steps skipped "
+                f"so far (the run ends above trainer.max_skipped_fraction = "
+                f"{cfg.trainer.max_skipped_fraction})"
+            )
+        too_many = too_many_skipped(
+            skipped, done, total, cfg.trainer.log_every, cfg.trainer.max_skipped_fraction
+        )
         record = {
             "loss": float(m["loss"]),
             "grad_norm": float(m["grad_norm"]),
@@ -383,7 +427,7 @@ def _loop(trainer: Trainer, state, start: int, ckpt, logger, run_dir, profile, p
             done,
             save_failed=failure is not None,
             claim_lost=claim is not None and claim.lost is not None,
-            nonfinite=bool(limit) and in_a_row >= limit,
+            nonfinite=(bool(limit) and in_a_row >= limit) or too_many,
             bad_data=bad_batch is not None,
         )
         _check_problems(pre, failure, claim)
@@ -395,7 +439,9 @@ def _loop(trainer: Trainer, state, start: int, ckpt, logger, run_dir, profile, p
                 f"names the data problem); step {done} is saved at {ckpt.step_path(done)}"
             )
         if "nonfinite" in pre.problems:
-            raise _nonfinite_error(cfg, done, in_a_row, ckpt)
+            if bool(limit) and in_a_row >= limit:
+                raise _nonfinite_error(cfg, done, in_a_row, ckpt)
+            raise _skipped_fraction_error(cfg, done, skipped, ckpt)
         if cfg.trainer.eval_every and done % cfg.trainer.eval_every == 0:
             logger.log_eval(done, {"eval_loss": trainer.evaluate(state["params"])})
         if stop and pre.preempted:

@@ -24,7 +24,7 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import IO, Any
 
-from trn_accum.errors import EXIT_SAVE_FAILED, UserError
+from trn_accum.errors import EXIT_SAVE_FAILED, UserError, one_line
 
 METRICS_FILE = "metrics.jsonl"
 KINDS = ("train", "eval")
@@ -339,6 +339,13 @@ def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None) -
     axes[2].set_xlabel("step")
     fig.suptitle(os.path.basename(os.path.abspath(os.fspath(run_dir))))
     fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    try:
+        fig.savefig(out, dpi=100)
+    except (OSError, ValueError) as e:  # a read-only run dir, a missing folder, a bad suffix
+        why = e.strerror if isinstance(e, OSError) and e.strerror else one_line(e)
+        raise PlotError(
+            f"cannot write the plot to {out!r} ({why}): pass --out PATH.png in a writable folder"
+        ) from None
+    finally:
+        plt.close(fig)
     return out

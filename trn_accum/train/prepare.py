@@ -14,6 +14,7 @@ import os
 
 import numpy as np
 
+from trn_accum.train.sniff import HEAD_BYTES, MAX_CONTROL_FRACTION, archive_kind, control_fraction
 from trn_accum.train.tokens import (
     BYTES_EOS_ID,
     BYTES_VOCAB_SIZE,
@@ -83,6 +84,30 @@ def _check_text_file(path: str) -> None:
         raise DataError(f"text file {path} does not exist: pass existing text files")
 
 
+def _refuse_archive(path: str) -> None:
+    """A DataError when `path` starts with an archive's or a compressor's magic bytes."""
+    try:
+        with open(path, "rb") as f:
+            kind = archive_kind(f.read(HEAD_BYTES))
+    except OSError as e:
+        raise DataError(f"text file {path} cannot be read ({e.strerror})") from None
+    if kind is not None:
+        raise DataError(
+            f"text file {path} is a {kind} archive or compressed file, not text: unpack it and "
+            f"pass the text files in it (or --binary-ok to tokenize its bytes as they are)"
+        )
+
+
+def _refuse_binary_text(path: str, text: str) -> None:
+    share = control_fraction(text)
+    if share > MAX_CONTROL_FRACTION:
+        raise DataError(
+            f"text file {path} is {share:.1%} NUL or control characters (more than "
+            f"{MAX_CONTROL_FRACTION:.0%}): it looks binary, not text; pass text files (or "
+            f"--binary-ok to tokenize it as it is)"
+        )
+
+
 def _documents(path: str):
     """Yield the documents of one text file: the whole file, or one per JSONL line's "text"."""
     _check_text_file(path)
@@ -109,7 +134,9 @@ def _documents(path: str):
         ) from None
 
 
-def prepare_data(text_files: list[str], out_dir: str, tokenizer: str = "bytes") -> dict:
+def prepare_data(
+    text_files: list[str], out_dir: str, tokenizer: str = "bytes", *, binary_ok: bool = False
+) -> dict:
     """Tokenize text files into ``out_dir/{tokens.bin, offsets.npy, meta.json}``.
 
     A ``.jsonl`` file contributes one document per line (its "text" field); any other file is one
@@ -117,12 +144,17 @@ def prepare_data(text_files: list[str], out_dir: str, tokenizer: str = "bytes") 
     "bytes" (UTF-8 bytes 0..255, eos 256, vocab 257) or the path of a HuggingFace
     ``tokenizer.json`` (needs the ``tokenizers`` package). Tokens are stored as uint16 when the
     vocabulary fits, else uint32. Empty documents are skipped. Returns the metadata written.
+    Unless ``binary_ok``, an archive or compressed file (by its magic bytes) and a document
+    more than ``sniff.MAX_CONTROL_FRACTION`` NUL/control characters are refused (DataError
+    naming the file) before anything is kept in ``out_dir``.
     """
     if not text_files:
         raise DataError("no text files given: pass one or more text files to prepare")
     tok = _BytesTokenizer() if tokenizer == "bytes" else _HFTokenizer(tokenizer)
     for p in text_files:
         _check_text_file(p)
+        if not binary_ok:
+            _refuse_archive(p)
     dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
     try:
         os.makedirs(out_dir, exist_ok=True)
@@ -141,6 +173,8 @@ def prepare_data(text_files: list[str], out_dir: str, tokenizer: str = "bytes") 
                 for text in _documents(p):
                     if not text:
                         continue
+                    if not binary_ok:
+                        _refuse_binary_text(p, text)
                     ids = tok.encode(text)
                     ids = np.concatenate([ids, np.asarray([tok.eos_id], np.uint32)])
                     max_id = max(max_id, int(ids.max()))

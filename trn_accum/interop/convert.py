@@ -1,0 +1,249 @@
+"""Run directories from Hugging Face Llama checkpoints, and back.
+
+`import_hf` writes what the trainer's first checkpoint would be (`trn_accum.train.loop`): a
+step-0 state (`step`, `skipped`, the parameters, a fresh optimizer state) in
+`RUN_DIR/checkpoints/0` with the run record in its metadata and in `RUN_DIR/config.json`, so
+`trn-accum train --config C --run-dir R` resumes from it at step 0. Everything is checked
+before the run dir is touched: a refused import writes nothing there. Each parameter is
+assembled on the host (one at a time, float32) and placed in its sharding; the optimizer state
+is created on the devices.
+
+`export_hf` restores only the parameters of the newest checkpoint, sharded into the run's
+mesh (orbax reads each shard into place; the optimizer state is skipped), then writes one
+parameter at a time: gathered to the host once, cut into per-layer HF tensors in the output
+dtype, written shard by shard.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+from safetensors import SafetensorError
+
+from trn_accum.errors import EXIT_SAVE_FAILED
+from trn_accum.interop import hf_io, llama
+from trn_accum.interop.llama import InteropError
+from trn_accum.model import fuji
+from trn_accum.train import drift, loop, rundir
+from trn_accum.train import step as train_step
+from trn_accum.train.checkpoint import STATE_ITEM, Checkpointer, make_writable_dir
+from trn_accum.train.config import Config, config_from_dict, load_config
+
+
+def _leaf(tree: dict, path: str):
+    for part in path.split("/"):
+        tree = tree[part]
+    return tree
+
+
+def hf_shapes(cfg: fuji.ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> the shape our config needs (no arrays)."""
+    shapes = fuji.param_shapes(cfg)
+    out = {}
+    for name, (path, layer) in llama.tensor_names(cfg.num_layers).items():
+        shape = _leaf(shapes, path).shape
+        out[name] = llama.hf_shape(path, shape[1:] if layer is not None else shape)
+    return out
+
+
+def check_checkpoint(hf_dir: str, model_cfg: fuji.ModelConfig) -> dict[str, str]:
+    """The tensor files of the HF checkpoint in `hf_dir` after checking that its config.json
+    and tensor shapes are those of `model_cfg`; InteropError naming every difference."""
+    fields = llama.model_fields(hf_io.read_config(hf_dir))
+    differ = llama.mismatches(fields, model_cfg)
+    if differ:
+        keys = [d.split(":")[0] for d in differ]
+        sets = " ".join(f"--set model.{k}={fields[k]}" for k in keys)
+        raise InteropError(
+            f"checkpoint {hf_dir} does not match the config: {'; '.join(differ)}: use a "
+            f"config with the checkpoint's values ({sets})"
+        )
+    files = hf_io.tensor_files(hf_dir)
+    bad = hf_io.missing_or_misshapen(hf_io.tensor_shapes(files), hf_shapes(model_cfg).items())
+    if bad:
+        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+        raise InteropError(
+            f"checkpoint {hf_dir}'s tensors do not match its config.json: "
+            f"{'; '.join(bad[:3])}{more}: the checkpoint is incomplete or damaged"
+        )
+    return files
+
+
+def read_param(files: dict[str, str], path: str, cfg: fuji.ModelConfig) -> np.ndarray:
+    """Our parameter `path` (e.g. "layers/q") as a float32 host array, from the HF tensors."""
+    shape = _leaf(fuji.param_shapes(cfg), path).shape
+    names = {p_l: n for n, p_l in llama.tensor_names(cfg.num_layers).items()}
+    if not path.startswith("layers/"):
+        return llama.to_ours(path, hf_io.read_tensor(files, names[(path, None)]), shape, cfg.rope)
+    out = np.empty(shape, np.float32)
+    for layer in range(cfg.num_layers):
+        hf = hf_io.read_tensor(files, names[(path, layer)])
+        out[layer] = llama.to_ours(path, hf, shape[1:], cfg.rope)
+    return out
+
+
+def _keypath(path) -> str:
+    return jax.tree_util.keystr(path, simple=True, separator="/")
+
+
+def _param_paths(cfg: fuji.ModelConfig) -> list[str]:
+    return [_keypath(p) for p, _ in jax.tree.leaves_with_path(fuji.param_shapes(cfg))]
+
+
+def _place(host: np.ndarray, sharding) -> jax.Array:
+    """The global array of `host` (the same on every process) in `sharding`: each process
+    puts its own devices' shards."""
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def _refuse_existing(run_dir: str) -> None:
+    ckpts = os.path.join(run_dir, "checkpoints")
+    if os.path.isdir(ckpts) and any(n.split(".")[0].isdigit() for n in os.listdir(ckpts)):
+        raise InteropError(
+            f"run dir {run_dir} already holds checkpoints: import into a new --run-dir (an "
+            f"import starts a run at step 0)"
+        )
+
+
+def import_hf(hf_dir: str, config_path: str, overrides: Sequence[str], run_dir: str) -> int:
+    """Writes RUN_DIR's step-0 checkpoint from the HF checkpoint in `hf_dir` under the config
+    file (with `--set` overrides). Returns the number of parameters imported."""
+    cfg = load_config(config_path, overrides)
+    files = check_checkpoint(hf_dir, cfg.model)
+    _refuse_existing(run_dir)
+    trainer = loop.Trainer.build(cfg)  # the mesh, data and state layout the trainer uses
+    shardings = trainer.state_shardings
+    params = jax.tree_util.tree_map_with_path(
+        lambda p, sharding: _place(read_param(files, _keypath(p), cfg.model), sharding),
+        shardings["params"],
+    )
+    tx = trainer.program.tx
+    with jax.set_mesh(trainer.mesh):
+        opt_state = jax.jit(tx.init, out_shardings=shardings["opt_state"])(params)
+    zero = jax.device_put(jnp.zeros((), jnp.int32), shardings["step"])
+    state = {"step": zero, "skipped": zero, "params": params, "opt_state": opt_state}
+    try:
+        make_writable_dir(run_dir)
+    except OSError as e:
+        why = f"run dir {run_dir} is not writable ({e.strerror})"
+        raise InteropError(f"{why}: pass a writable --run-dir") from None
+    claim = rundir.claim_for_job(run_dir, say=lambda _: None)
+    try:
+        with Checkpointer(os.path.join(run_dir, "checkpoints"), keep=cfg.checkpoint.keep) as ck:
+            ck.save(0, state, metadata={"config": trainer.record}, force=True)
+            ck.wait_until_finished()
+        if jax.process_index() == 0:
+            text = json.dumps(trainer.record, indent=2)
+            rundir.write_atomic(os.path.join(run_dir, drift.CONFIG_FILE), text)
+    finally:
+        if claim is not None:
+            claim.release()
+    return fuji.num_params(cfg.model)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading a run
+
+
+def run_config(run_dir: str, ckpt: Checkpointer, step: int) -> Config:
+    """The config the run's checkpoint `step` was trained with (its record)."""
+    record, where = drift.recorded_config(run_dir, ckpt.read_metadata(step))
+    if record is None:
+        raise InteropError(f"run dir {run_dir} has no readable config record ({where})")
+    record = {k: dict(v) for k, v in record.items()}
+    for key in drift.RECORD_KEYS:  # not config keys
+        section, name = key.split(".")
+        record.get(section, {}).pop(name, None)
+    return config_from_dict(record)
+
+
+def _read_params(step_dir: str, target: dict) -> dict:
+    """The "params" subtree of the checkpoint in `step_dir` (a committed step directory of
+    `Checkpointer`), restored into `target` (ShapeDtypeStructs with shardings): an orbax
+    partial restore, so the optimizer state is never read."""
+    path = os.path.join(step_dir, STATE_ITEM)
+    item = {"params": target}
+    args = ocp.args.PyTreeRestore(
+        item=item,
+        restore_args=ocp.checkpoint_utils.construct_restore_args(item),
+        partial_restore=True,
+    )
+    try:
+        with ocp.PyTreeCheckpointer() as reader:
+            return reader.restore(path, args=args)["params"]
+    except Exception as e:  # orbax/tensorstore raise many types for unreadable data
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise InteropError(
+            f"checkpoint {step_dir} cannot be read into the run's config ({first}): train or "
+            f"import the run again"
+        ) from None
+
+
+def restore_params(run_dir: str) -> tuple[Config, jax.sharding.Mesh, dict, int]:
+    """(the run's config, its mesh on these devices, the newest checkpoint's parameters sharded
+    as in training, that step). Only the parameters are read from disk."""
+    directory = os.path.join(run_dir, "checkpoints")
+    if not os.path.isdir(directory):
+        raise InteropError(f"run dir {run_dir} has no checkpoints/: train or import-hf first")
+    with Checkpointer(directory, keep=None) as ckpt:
+        step = ckpt.latest_step()
+        if step is None:
+            raise InteropError(f"run dir {run_dir} has no committed checkpoint: train first")
+        cfg = run_config(run_dir, ckpt, step)
+        step_dir = ckpt.step_path(step)
+    mesh = train_step.make_mesh(cfg)
+    shardings = train_step.named(mesh, train_step.param_specs(cfg, mesh))
+    shapes = fuji.param_shapes(cfg.model)
+    target = train_step.restore_target(shapes, shardings)
+    return cfg, mesh, _read_params(step_dir, target), step
+
+
+def export_hf(run_dir: str, out_dir: str, dtype: str = "bfloat16") -> list[str]:
+    """Writes config.json + safetensors of the run's newest checkpoint into `out_dir`
+    (process 0 writes). Returns the files written."""
+    if jax.process_index() == 0:
+        try:
+            make_writable_dir(out_dir)
+        except OSError as e:
+            raise InteropError(
+                f"export dir {out_dir} is not writable ({e.strerror}): pass a writable OUT_DIR",
+                exit_code=EXIT_SAVE_FAILED,
+            ) from None
+    cfg, _, params, _ = restore_params(run_dir)
+    m = cfg.model
+    np_dtype = hf_io.DTYPES[dtype]
+    names = llama.tensor_names(m.num_layers)
+    paths = _param_paths(m)  # parameter by parameter: each gathered once
+    order = sorted(names, key=lambda n: (paths.index(names[n][0]), names[n][1] or 0))
+    shapes = hf_shapes(m)
+    sizes = {n: int(np.prod(shapes[n])) * np.dtype(np_dtype).itemsize for n in order}
+    host: dict[str, np.ndarray] = {}  # one parameter on the host at a time
+
+    def tensor(name: str) -> np.ndarray:
+        path, layer = names[name]
+        if path not in host:
+            host.clear()
+            host[path] = np.asarray(
+                multihost_utils.process_allgather(_leaf(params, path), tiled=True)
+            )
+        value = host[path] if layer is None else host[path][layer]
+        return np.ascontiguousarray(llama.to_hf(path, value, m.rope).astype(np_dtype))
+
+    if jax.process_index() != 0:
+        for path in paths:  # the gathers are collective: every process joins
+            multihost_utils.process_allgather(_leaf(params, path), tiled=True)
+        return []
+    try:
+        return hf_io.write_checkpoint(out_dir, llama.hf_config(m, dtype), sizes, tensor)
+    except (OSError, SafetensorError) as e:
+        raise InteropError(
+            f"export to {out_dir} failed ({e}): free space or fix the storage, then export again",
+            exit_code=EXIT_SAVE_FAILED,
+        ) from None

@@ -1,0 +1,122 @@
+"""`trn-accum eval`: the mean next-token cross-entropy of a run's newest checkpoint.
+
+The run's config (its record) decides the model, mesh and minibatching; the loss is the
+trainer's held-out evaluation (`trn_accum.train.step.make_eval_step`: a sum of per-token losses
+and a count of target tokens over the config's k minibatches), so a figure here and the
+trainer's `eval_loss` are the same computation.
+
+- `--data TOKEN_DIR` (a `trn-accum prepare-data` directory): the held-out split's first
+  `data.eval_batches` batches of the run's `data.global_batch` x `data.seq_len`, as the trainer
+  evaluates them.
+- `--tokens FILE.npy` (an integer array [N, S]): row r predicts tokens[r, 1:] from
+  tokens[r, :-1], every position (N x (S - 1) targets). A negative id is padding: it may only
+  end a row (right padding; causal attention makes earlier positions blind to it), and is
+  neither an input nor a target. Rows go through in groups of `data.global_batch` (the last
+  group filled with empty rows, which weigh nothing).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from trn_accum.interop.convert import restore_params
+from trn_accum.interop.llama import InteropError
+from trn_accum.train import loop
+from trn_accum.train import step as train_step
+
+
+def read_tokens(path: str, vocab_size: int) -> np.ndarray:
+    """The int64 [N, S] array of `path` (.npy), checked: S >= 2, ids < vocab_size, negative
+    ids (padding) only at the end of a row."""
+    try:
+        tokens = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise InteropError(f"--tokens {path}: not a readable .npy file ({e})") from None
+    if tokens.ndim != 2 or tokens.shape[1] < 2 or not np.issubdtype(tokens.dtype, np.integer):
+        raise InteropError(
+            f"--tokens {path}: an integer array [N, S] with S >= 2 is needed, got "
+            f"{tokens.dtype} {list(tokens.shape)}: save token ids as np.save(path, ids)"
+        )
+    tokens = tokens.astype(np.int64)
+    if tokens.size and tokens.max() >= vocab_size:
+        r, c = np.argwhere(tokens >= vocab_size)[0]
+        raise InteropError(
+            f"--tokens {path}: id {tokens[r, c]} at row {r}, column {c} is >= the model's "
+            f"vocabulary ({vocab_size}): tokenize with the model's tokenizer"
+        )
+    pad = tokens < 0
+    inner = pad[:, :-1] & ~pad[:, 1:]
+    if inner.any():
+        r, c = np.argwhere(inner)[0]
+        raise InteropError(
+            f"--tokens {path}: row {r} has padding (a negative id) at column {c} before a token: "
+            f"padding may only end a row (pad on the right)"
+        )
+    return tokens
+
+
+def token_batch(tokens: np.ndarray) -> dict[str, np.ndarray]:
+    """The trainer's batch (`trn_accum.train.data`) of next-token targets of tokens [N, S]:
+    arrays [N, S - 1]; padding (negative ids) is input 0 with target mask 0."""
+    pad = tokens < 0
+    return {
+        "input_ids": np.where(pad, 0, tokens)[:, :-1].astype(np.int32),
+        "target_labels": np.where(pad, 0, tokens)[:, 1:].astype(np.int32),
+        "target_mask": (~pad[:, 1:]).astype(np.float32),
+    }
+
+
+def _sum_over(eval_fn, params, batches, mesh) -> tuple[float, float]:
+    total = count = 0.0
+    for batch in batches:
+        with jax.set_mesh(mesh):
+            t, c = eval_fn(params, batch)
+        total += float(t)
+        count += float(c)
+    return total, count
+
+
+def _placed(batch: dict[str, np.ndarray], sharding) -> dict:
+    return {
+        k: jax.make_array_from_callback(v.shape, sharding, lambda i, v=v: v[i])
+        for k, v in batch.items()
+    }
+
+
+def eval_tokens(run_dir: str, tokens_path: str) -> tuple[float, int]:
+    """(mean loss, target tokens) of the run's newest checkpoint over the rows of the file."""
+    cfg, mesh, params, _ = restore_params(run_dir)
+    tokens = read_tokens(tokens_path, cfg.model.vocab_size)
+    if tokens.shape[1] - 1 > cfg.model.max_seq_len:
+        raise InteropError(
+            f"--tokens {tokens_path}: rows of {tokens.shape[1]} tokens make sequences of "
+            f"{tokens.shape[1] - 1} > model.max_seq_len {cfg.model.max_seq_len}: cut the rows"
+        )
+    group = cfg.data.global_batch
+    n = -(-tokens.shape[0] // group) * group
+    padded = np.full((n, tokens.shape[1]), -1, np.int64)
+    padded[: tokens.shape[0]] = tokens
+    batch = token_batch(padded)
+    sharding = train_step.batch_sharding(mesh)
+    batches = (
+        _placed({k: v[i : i + group] for k, v in batch.items()}, sharding)
+        for i in range(0, n, group)
+    )
+    shardings = jax.tree.map(lambda x: x.sharding, params)
+    eval_fn = train_step.make_eval_step(cfg, mesh, shardings)
+    total, count = _sum_over(eval_fn, params, batches, mesh)
+    return (total / count if count else 0.0), int(count)
+
+
+def eval_data(run_dir: str, data_dir: str) -> tuple[float, int]:
+    """(mean loss, target tokens) of the run's newest checkpoint on the held-out split of a
+    prepared token directory, as the trainer evaluates it (`data.eval_batches` batches)."""
+    cfg, _, params, _ = restore_params(run_dir)
+    data = dataclasses.replace(cfg.data, kind="tokens", path=data_dir)
+    trainer = loop.Trainer.build(dataclasses.replace(cfg, data=data))
+    batches = (trainer.batch(i, "eval") for i in range(cfg.data.eval_batches))
+    total, count = _sum_over(trainer.eval_fn, params, batches, trainer.mesh)
+    return (total / count if count else 0.0), int(count)
