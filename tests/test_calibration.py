@@ -34,8 +34,9 @@ def test_every_row_is_within_the_target_and_says_where_it_comes_from():
     assert len(tpu) >= 4 and {"fitted", "predicted"} <= {r["role"] for r in tpu}
 
 
+@pytest.mark.slow
 def test_the_cheapest_tpu_row_reproduces_its_prediction():
-    """~20 s: one dry-run of a 2-layer Fuji-width config on one emulated device."""
+    """21-41 s: one dry-run of a 2-layer Fuji-width config on one emulated device."""
     tpu = [r for r in ROWS if r["platform"] == "tpu-v5e"]
     row = min(tpu, key=lambda r: r["features"]["dot_flops"])
     cmd = row["predict_command"].split()
