@@ -55,8 +55,9 @@ def test_reduced_depth_3b_dry_run_on_64_devices(mesh_sets, all_nodes):
     assert rep["attention"] == "blockwise" and rep["substitutions"] == []
     assert rep["mesh_per_node"] == {"data": 1, "fsdp": 32, "model": 2}
     assert rep["mesh_all_nodes"] == all_nodes
-    # 2048 rows / 32 nodes = 64 per node, over 32 fsdp groups at k=1: 2 per group
-    assert rep["rows_per_node"] == 64 and rep["rows_per_device_group_per_minibatch"] == 2
+    # 2048 rows / 32 nodes = 64 per node, over 32 fsdp groups: 2 per group, 2 / k per minibatch
+    k = cfg.trainer.accum_steps
+    assert rep["rows_per_node"] == 64 and rep["rows_per_device_group_per_minibatch"] == 2 // k
     assert sum(rep["split_collectives"].values()) == 0
     assert rep["blockers"] == []
     ways = all_nodes["fsdp"] * all_nodes["model"]

@@ -18,7 +18,7 @@ from trn_accum.cluster.eks import RenderError, manifests, render_eks
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "launch" / "eks" / "fuji-3b-trn2-4nodes.yaml"
 EXAMPLE_IMAGE = "123456789012.dkr.ecr.us-west-2.amazonaws.com/trn-accum:neuron"
-EXAMPLE_ARGS = ("--set", "trainer.accum_steps=8")
+EXAMPLE_ARGS = ("--set", "trainer.accum_steps=16")
 IMAGE = "registry.example.com/trn-accum:neuron"
 
 
@@ -233,7 +233,7 @@ def test_cli_writes_the_file(tmp_path, capsys):
     from trn_accum import cli
 
     out = tmp_path / "sub" / "eks.yaml"
-    argv = ["--nodes", "4", "--image", EXAMPLE_IMAGE, "--set", "trainer.accum_steps=8"]
+    argv = ["--nodes", "4", "--image", EXAMPLE_IMAGE, "--set", "trainer.accum_steps=16"]
     assert cli.main(["render-eks", *argv, "-o", str(out)]) == 0
     assert out.read_text() == EXAMPLE.read_text()
     capsys.readouterr()

@@ -41,8 +41,9 @@ def test_cpu_table_every_row_passes_exit_0(tmp_path):
     assert gather["status"] == "pass" and "(gather once_unsharded) vs" in gather["detail"]
     assert "psum over 8 devices = 28 (exact 28)" in rows["psum"]["detail"]
     assert "127.0.0.1:41000 -> 127.0.0.1:41000" in rows["root"]["detail"]  # one process
-    kernel_pair = rows["kernel-pair"]  # 8 devices, model 2: 4 shards x 512 rows, 24/2 heads
-    assert kernel_pair["status"] == "skip" and "B=512 H=12 KV=4 S=8192" in kernel_pair["detail"]
+    # 8 devices, model 2: 4 batch shards, 2048 / (4 x k=2) = 256 rows per minibatch, 24/2 heads
+    kernel_pair = rows["kernel-pair"]
+    assert kernel_pair["status"] == "skip" and "B=256 H=12 KV=4 S=8192" in kernel_pair["detail"]
     assert not list((tmp_path / "run").glob(".neuron-check-*"))  # the checkpoint row cleans up
 
 

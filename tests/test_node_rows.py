@@ -140,13 +140,13 @@ def test_kernel_pair_plan_odd_bkv_at_lnc2():
 
 
 def test_job_pair_plan_from_the_fuji_3b_config():
-    cfg = load_config("configs/fuji-3b-trn2.toml")
+    cfg = load_config("configs/fuji-3b-trn2.toml", ["trainer.accum_steps=1"])
     # 32 nodes x 64 devices, model 2: 1024 batch shards, 2048 / (1 x 1024) = 2 sequences each;
     # 12 of the 24 heads and 4 of the 8 KV heads per device: B*KV = 8 is even, and so is KV
     (job,) = node_rows.job_pair_plan(cfg, 32 * 64, lnc=2)
     assert job == PairShape(2, 12, 4, 8192, 128, "the job's per-device shape")
-    # k=2: 2048 / (2 x 1024) = 1 sequence
-    k2 = load_config("configs/fuji-3b-trn2.toml", ["trainer.accum_steps=2"])
+    # k=2 (the config's): 2048 / (2 x 1024) = 1 sequence
+    k2 = load_config("configs/fuji-3b-trn2.toml")
     assert node_rows.job_pair_plan(k2, 32 * 64, lnc=2)[0].batch == 1
     # one node: 32 shards, 2048 / (4 x 32) = 16 sequences per device
     k4 = load_config("configs/fuji-3b-trn2.toml", ["trainer.accum_steps=4"])
