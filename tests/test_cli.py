@@ -481,7 +481,7 @@ def test_check_config_accepts_what_train_accepts(capsys):
 
     ok = ["--config", TINY, "--set", "trainer.steps=3", "--run-dir", "runs/x"]
     assert trn_cli.main(["check-config", "--", *ok]) == 0
-    assert capsys.readouterr().out.strip().endswith("with 1 --set override(s): ok")
+    assert capsys.readouterr().out.strip().endswith("with 1 --set override(s): ok on 8 devices")
     # a substituted trainer's own options pass; its --config and --set are still checked
     assert trn_cli.main(["check-config", "--only-config-args", "--", *ok, "--mode", "psum"]) == 0
     assert trn_cli.main(["check-config", "--", *ok, "--mode", "psum"]) == 2

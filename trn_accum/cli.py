@@ -10,7 +10,7 @@ check-config | import-hf | export-hf | eval (trn_accum/interop/commands.py).
     trn-accum prepare-data TEXT_FILES... --out DIR [--tokenizer bytes|tokenizer.json]
     trn-accum plot RUN_DIR [-o FILE.png]
     trn-accum render-eks --nodes N --image IMAGE [...]
-    trn-accum check-config [--only-config-args] -- TRAIN_ARGS...   what `train` would refuse
+    trn-accum check-config [--only-config-args] [--devices N] -- TRAIN_ARGS   what train refuses
 
 Exit codes (`trn_accum.errors`): 0 success; 1 a check failed (dry-run blockers, a failing
 neuron-check row) or a bug (with its traceback); 2 a user error (bad config, data, checkpoint,
@@ -220,12 +220,10 @@ def _cmd_plot(args) -> int:
     return EXIT_OK
 
 
-def check_train_args(train_args: list[str], *, only_config_args: bool = False) -> str:
-    """What `trn-accum train TRAIN_ARGS` would refuse before it starts, refused now (UsageError,
-    ConfigError: one line, exit 2): the train parser, then the config with its --set overrides
-    through the trainer's own loader. only_config_args: only --config and --set are read (the
-    other arguments belong to a substituted trainer, e.g. the Slurm script's TRN_ACCUM_TRAIN).
-    Returns the config path."""
+def check_train_args(train_args: list[str], *, only_config_args: bool = False):
+    """(config path, Config): what `trn-accum train TRAIN_ARGS` refuses in its parser and config
+    loader, refused now (one line, exit 2). only_config_args: read only --config and --set (the
+    rest belong to a substituted trainer, e.g. the Slurm script's TRN_ACCUM_TRAIN)."""
     from trn_accum.train.config import load_config
 
     if only_config_args:
@@ -234,15 +232,19 @@ def check_train_args(train_args: list[str], *, only_config_args: bool = False) -
         args, _ = parser.parse_known_args(train_args)
     else:
         args = build_parser().parse_args(["train", *train_args])
-    load_config(args.config, args.overrides)  # ConfigError: the line the trainer would print
-    return args.config
+    return args.config, load_config(args.config, args.overrides)  # ConfigError: as train's
 
 
 def _cmd_check_config(args) -> int:
     train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
-    config = check_train_args(train_args, only_config_args=args.only_config_args)
+    config, cfg = check_train_args(train_args, only_config_args=args.only_config_args)
     overrides = sum(a == "--set" or a.startswith("--set=") for a in train_args)
-    print(f"{PROG} check-config: {config} with {overrides} --set override(s): ok")
+    where = "; mesh and batch split not checked (pass --devices N)"
+    if args.devices or not (args.only_config_args or os.environ.get("SLURM_JOB_ID")):
+        from trn_accum.train import step
+
+        where = f" on {step.check_start(cfg, args.devices)} devices"  # as `train` at start
+    print(f"{PROG} check-config: {config} with {overrides} --set override(s): ok{where}")
     return EXIT_OK
 
 
@@ -419,6 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="read only --config and --set from ARGS (the rest belong to another trainer)",
     )
+    cc.add_argument("--devices", type=int, help="the job's device count (default: JAX's here)")
     cc.add_argument(
         "train_args", nargs=argparse.REMAINDER, metavar="-- ARGS", help="the train arguments"
     )

@@ -44,6 +44,8 @@ from trn_accum.train.config import Config, config_to_dict, load_config
 from trn_accum.train.metrics import (
     MetricsError,
     MetricsLogger,
+    console_width,
+    fit_text,
     read_metrics,
     trailing_skipped,
     truncate_metrics,
@@ -89,7 +91,7 @@ class Trainer:
 
     @classmethod
     def build(cls, cfg: Config, devices=None) -> Trainer:
-        step.check_attention(cfg)
+        step.check_start(cfg, devices)  # what `trn-accum check-config` checks, the same call
         mesh = step.make_mesh(cfg, devices)
         # The data first: a bad data path or file is reported before anything compiles.
         dataset = data_lib.make_dataset(
@@ -226,7 +228,7 @@ def _run(cfg: Config, pre, *, run_dir: str, profile, console, allowed) -> int:
 
     def say(text: str) -> None:
         if main:
-            print(text, file=out, flush=True)
+            print(fit_text(text, console_width()), file=out, flush=True)
 
     claim = rundir.claim_for_job(run_dir, say=say)
     try:

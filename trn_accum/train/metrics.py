@@ -11,7 +11,9 @@ in step order, so the file always describes one trajectory. A metrics file that 
 or written (a directory in its place, a full disk) is a one-line `MetricsError`.
 
 Console: on a terminal, a progress bar rewritten in place; otherwise (Slurm / Kubernetes log
-files) one plain line every `log_every` steps, plus the first and the last.
+files) one plain line every `log_every` steps, plus the first and the last. Lines fit the
+terminal's width (`shutil.get_terminal_size`: $COLUMNS, else the terminal; no limit in a log
+file): the figures that do not fit go on indented continuation lines, none is dropped.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import sys
+import textwrap
 import time
 from collections.abc import Iterable, Mapping
 from typing import IO, Any
@@ -45,6 +49,8 @@ _CONSOLE = (
     ("dropped_minibatches", "dropped", "{:d}"),
     ("mfu", "mfu", "{:.2%}"),
 )
+_NOT_SHOWN = ("step", "kind", "time")  # record keys that are not figures
+BAR_WIDTH = 24  # the progress bar's cells
 
 
 def _jsonable(v: Any) -> Any:
@@ -141,8 +147,9 @@ def _fmt(key: str, value: Any, spec: str) -> str:
         return str(value)
 
 
-def format_line(step: int, total: int, metrics: Mapping[str, Any]) -> str:
-    """`step 40/100 loss 3.2100 gnorm 0.812 lr 0.0003 ...` (only the keys present)."""
+def format_parts(step: int, total: int, metrics: Mapping[str, Any]) -> list[str]:
+    """["step 40/100", "loss 3.2100", "gnorm 0.812", "lr 0.0003", ...] (only the keys present,
+    the known ones first, in `_CONSOLE` order)."""
     parts = [f"step {step}/{total}"]
     known = set()
     for key, label, spec in _CONSOLE:
@@ -150,9 +157,47 @@ def format_line(step: int, total: int, metrics: Mapping[str, Any]) -> str:
         if key in metrics and metrics[key] is not None:
             parts.append(f"{label} {_fmt(key, metrics[key], spec)}")
     for key, value in metrics.items():
-        if key not in known and key not in ("step", "kind", "time"):
+        if key not in known and key not in _NOT_SHOWN:
             parts.append(f"{key} {_fmt(key, value, '{:.4g}')}")
-    return "  ".join(parts)
+    return parts
+
+
+def format_line(step: int, total: int, metrics: Mapping[str, Any]) -> str:
+    """`step 40/100  loss 3.2100  gnorm 0.812  lr 0.0003 ...` on one line."""
+    return "  ".join(format_parts(step, total, metrics))
+
+
+def console_width() -> int | None:
+    """The columns to fit: $COLUMNS, else the terminal's (`shutil.get_terminal_size`); None
+    (no limit) when neither is known, e.g. stdout is a log file."""
+    columns = shutil.get_terminal_size(fallback=(0, 0)).columns
+    return columns if columns > 0 else None
+
+
+def fit_parts(parts: list[str], width: int | None, sep: str = "  ") -> list[str]:
+    """`parts` joined by `sep` into lines of at most `width` characters (a part is never split;
+    continuation lines are indented by `sep`); one line when `width` is None."""
+    if width is None:
+        return [sep.join(parts)]
+    lines = [parts[0]]
+    for part in parts[1:]:
+        if len(lines[-1]) + len(sep) + len(part) <= width:
+            lines[-1] += sep + part
+        else:
+            lines.append(sep + part)
+    return lines
+
+
+def fit_text(text: str, width: int | None) -> str:
+    """`text` wrapped at spaces to lines of at most `width` characters (continuations indented
+    by two; a longer word, e.g. a path, stays whole); unchanged when `width` is None."""
+    if width is None:
+        return text
+    return "\n".join(
+        textwrap.wrap(
+            text, width, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False
+        )
+    )
 
 
 class MetricsLogger:
@@ -184,7 +229,7 @@ class MetricsLogger:
         self.progress = progress
         self._file = None
         self._tb = None
-        self._bar_open = False
+        self._bar_lines = 0  # lines of the progress bar on screen, 0 when closed
         if not enabled:
             return
         path = os.path.join(self.run_dir, METRICS_FILE)
@@ -230,18 +275,20 @@ class MetricsLogger:
         if not self.enabled:
             return
         rec = self._record(step, "train", metrics)
-        line = format_line(step, self.total, rec)
+        parts = format_parts(step, self.total, rec)
         if self.progress:
-            width = 24
-            done = int(width * min(step, self.total) / max(self.total, 1))
-            bar = "#" * done + "." * (width - done)
-            self.console.write(f"\r[{bar}] {line}\x1b[K")
+            done = int(BAR_WIDTH * min(step, self.total) / max(self.total, 1))
+            parts[0] = f"[{'#' * done + '.' * (BAR_WIDTH - done)}] {parts[0]}"
+            lines = fit_parts(parts, console_width())
+            # Back to the first line of the previous bar (ANSI "cursor previous line").
+            up = f"\x1b[{self._bar_lines - 1}F" if self._bar_lines > 1 else ""
+            self.console.write(up + "\r" + "\x1b[K\n".join(lines) + "\x1b[K")
             self.console.flush()
-            self._bar_open = True
+            self._bar_lines = len(lines)
             if step >= self.total:
                 self._newline()
         elif step == 1 or step % self.log_every == 0 or step >= self.total:
-            self.console.write(line + "\n")
+            self.console.write("\n".join(fit_parts(parts, console_width())) + "\n")
             self.console.flush()
 
     def log_eval(self, step: int, metrics: Mapping[str, Any]) -> None:
@@ -249,12 +296,11 @@ class MetricsLogger:
             return
         rec = self._record(step, "eval", metrics)
         self._newline()
-        vals = "  ".join(
-            f"{k} {_fmt(k, v, '{:.4f}')}"
-            for k, v in rec.items()
-            if k not in ("step", "kind", "time")
-        )
-        self.console.write(f"eval at step {step}: {vals}\n")
+        vals = [f"{k} {_fmt(k, v, '{:.4f}')}" for k, v in rec.items() if k not in _NOT_SHOWN] or [
+            ""
+        ]
+        lines = fit_parts([f"eval at step {step}: {vals[0]}", *vals[1:]], console_width())
+        self.console.write("\n".join(lines) + "\n")
         self.console.flush()
 
     def message(self, text: str) -> None:
@@ -262,13 +308,14 @@ class MetricsLogger:
         if not self.enabled:
             return
         self._newline()
+        text = fit_text(text, console_width())
         self.console.write(text + "\n")
         self.console.flush()
 
     def _newline(self) -> None:
-        if self._bar_open:
+        if self._bar_lines:
             self.console.write("\n")
-            self._bar_open = False
+            self._bar_lines = 0
 
     def close(self) -> None:
         self._newline()

@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -41,6 +41,7 @@ from trn_accum.core.sharding import (
     build_mesh,
     check_axis_sizes,
     divisibility_error,
+    resolve_axes,
     split_minibatches,
     valid_steps,
 )
@@ -64,28 +65,38 @@ class TrainError(UserError):
 # Mesh and batch rules
 
 
-def make_mesh(cfg: Config, devices: Sequence[Any] | None = None) -> jax.sharding.Mesh:
-    """The mesh of `cfg.mesh` over `devices` (default: all). TrainError if they do not fit."""
-    devices = list(jax.devices() if devices is None else devices)
+def mesh_shape(cfg: Config, devices: int, platform: str = "") -> dict[str, int]:
+    """The axis sizes of `cfg.mesh` over `devices` devices (the -1 resolved); TrainError if they
+    do not fit. `platform`: the devices' platform ("cpu" hints at emulating more)."""
     axes = check_axis_sizes(cfg.mesh.axes())
     fixed = math.prod(s for s in axes.values() if s != -1)
     more = "run on more devices"
-    if devices and devices[0].platform == "cpu":
+    if platform == "cpu":
         more = f"emulate them: XLA_FLAGS=--xla_force_host_platform_device_count={fixed}"
-    if fixed > len(devices) or len(devices) % fixed:
+    if fixed > devices or devices % fixed:
         raise TrainError(
-            f"mesh {axes} needs a multiple of {fixed} devices but {len(devices)} are available: "
+            f"mesh {axes} needs a multiple of {fixed} devices but {devices} are available: "
             f"lower mesh sizes (e.g. --set mesh.fsdp=...) or {more}"
         )
-    if -1 not in axes.values() and fixed != len(devices):
+    if -1 not in axes.values() and fixed != devices:
         raise TrainError(
-            f"mesh {axes} uses {fixed} devices but {len(devices)} are available: set one axis "
+            f"mesh {axes} uses {fixed} devices but {devices} are available: set one axis "
             f"to -1 (all remaining devices) or match the device count"
         )
     try:
-        return build_mesh(axes, devices)
+        return resolve_axes(axes, devices)
     except ValueError as e:
-        raise TrainError(f"mesh {axes} on {len(devices)} devices: {e}") from None
+        raise TrainError(f"mesh {axes} on {devices} devices: {e}") from None
+
+
+def make_mesh(cfg: Config, devices: Sequence[Any] | None = None) -> jax.sharding.Mesh:
+    """The mesh of `cfg.mesh` over `devices` (default: all). TrainError if they do not fit."""
+    devices = list(jax.devices() if devices is None else devices)
+    mesh_shape(cfg, len(devices), devices[0].platform if devices else "")
+    try:
+        return build_mesh(cfg.mesh.axes(), devices)
+    except ValueError as e:
+        raise TrainError(f"mesh {cfg.mesh.axes()} on {len(devices)} devices: {e}") from None
 
 
 def batch_shards(mesh: jax.sharding.Mesh) -> int:
@@ -95,6 +106,12 @@ def batch_shards(mesh: jax.sharding.Mesh) -> int:
 
 def check_batch(cfg: Config, mesh: jax.sharding.Mesh, global_batch: int | None = None) -> int:
     """Returns k; TrainError unless the global batch divides by k x batch shards."""
+    return check_split(cfg, dict(mesh.shape), global_batch)
+
+
+def check_split(cfg: Config, shape: Mapping[str, int], global_batch: int | None = None) -> int:
+    """Returns k; TrainError unless the global batch divides by k x batch shards of a mesh of
+    axis sizes `shape` ({"data": 4, "fsdp": 2, "model": 1})."""
     k = cfg.trainer.accum_steps
     if not isinstance(k, int):
         raise TrainError(
@@ -102,7 +119,7 @@ def check_batch(cfg: Config, mesh: jax.sharding.Mesh, global_batch: int | None =
             f"`trn-accum dry-run` and set it with --set trainer.accum_steps=K"
         )
     b = cfg.data.global_batch if global_batch is None else global_batch
-    shards = batch_shards(mesh)
+    shards = math.prod(shape.get(a, 1) for a in BATCH_AXES)
     error = divisibility_error(b, k, shards)
     if error:
         valid = valid_steps(b, shards)
@@ -112,16 +129,32 @@ def check_batch(cfg: Config, mesh: jax.sharding.Mesh, global_batch: int | None =
             else f"no accum_steps works: make data.global_batch a multiple of {k * shards}"
         )
         wild = {a for a, n in cfg.mesh.axes().items() if n == -1}
-        shape = " x ".join(
-            f"{a} {mesh.shape.get(a, 1)}"
+        axes = " x ".join(
+            f"{a} {shape.get(a, 1)}"
             + (" (mesh." + a + " = -1: all devices left)" if a in wild else "")
             for a in BATCH_AXES
         )
         raise TrainError(
             f"data.global_batch = {b} is not divisible by accum_steps ({k}) x batch shards "
-            f"({shape} = {shards} on {mesh.size} devices) = {k * shards}: {hint}"
+            f"({axes} = {shards} on {math.prod(shape.values())} devices) = {k * shards}: {hint}"
         )
     return k
+
+
+def check_start(cfg: Config, devices: int | Sequence[Any] | None = None) -> int:
+    """What the trainer refuses at start, before data or compiling (TrainError, one line): the
+    attention kernels, the mesh on `devices` (a count, the devices, or None: this process's
+    JAX devices) and, for an integer accum_steps, the batch split. `trn-accum train` and
+    `trn-accum check-config` both call it. Returns the device count."""
+    check_attention(cfg)
+    if not isinstance(devices, int):
+        devices = list(jax.devices() if devices is None else devices)
+    count = devices if isinstance(devices, int) else len(devices)
+    platform = "" if isinstance(devices, int) or not devices else devices[0].platform
+    shape = mesh_shape(cfg, count, platform)
+    if cfg.trainer.accum_steps != "auto":
+        check_split(cfg, shape)
+    return count
 
 
 def check_attention(cfg: Config) -> None:
