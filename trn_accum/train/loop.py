@@ -283,10 +283,15 @@ def _run(cfg: Config, pre, *, run_dir: str, profile, console, allowed) -> int:
             claim.release()
 
 
-def _nonfinite_error(cfg: Config, done: int, count: int, ckpt) -> step.TrainError:
+def _data_and_newest(cfg: Config, ckpt) -> tuple[str, str]:
+    """(the data a non-finite error names, the newest committed checkpoint or "none yet")."""
     steps = ckpt.committed_steps()
     newest = ckpt.step_path(steps[-1]) if steps else "none yet"
-    data = cfg.data.path if cfg.data.kind == "tokens" else "synthetic"
+    return (cfg.data.path if cfg.data.kind == "tokens" else "synthetic"), newest
+
+
+def _nonfinite_error(cfg: Config, done: int, count: int, ckpt) -> step.TrainError:
+    data, newest = _data_and_newest(cfg, ckpt)
     return step.TrainError(
         f"step {done}: the last {count} steps ({done - count + 1}..{done}) were all skipped as "
         f"non-finite (loss or gradient norm NaN/inf; trainer.stop_after_nonfinite = "
@@ -309,9 +314,7 @@ def too_many_skipped(skipped: int, done: int, total: int, every: int, fraction: 
 
 
 def _skipped_fraction_error(cfg: Config, done: int, skipped: int, ckpt) -> step.TrainError:
-    steps = ckpt.committed_steps()
-    newest = ckpt.step_path(steps[-1]) if steps else "none yet"
-    data = cfg.data.path if cfg.data.kind == "tokens" else "synthetic"
+    data, newest = _data_and_newest(cfg, ckpt)
     return step.TrainError(
         f"step {done}: {skipped} of the run's {done} steps ({skipped / done:.0%}) were skipped "
         f"as non-finite (loss or gradient norm NaN/inf), more than "
