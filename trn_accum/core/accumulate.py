@@ -38,7 +38,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from trn_accum.core import gather_once, rng
+from trn_accum.core import gather_once, mesh_types, rng
 from trn_accum.core import reduce_once as once
 from trn_accum.core import sharding as shd
 from trn_accum.core import state as st
@@ -164,10 +164,9 @@ def accumulate_gradients(
     argnums = rng.check_rng_argnum(rng_argnum)
     state_argnum = st.check_state_argnum(state_argnum, argnums, has_aux, reduce)
     shd.check_batch_spec_has_mesh(batch_spec, mesh)
-    if mesh is not None:
-        shd.check_auto_mesh(mesh)
-        if shd.is_spec(batch_spec):
-            shd.check_spec_axes(shd.as_spec(batch_spec), mesh)
+    mesh = mesh_types.auto_mesh(mesh)  # any axis types: the same devices with Auto axes
+    if mesh is not None and shd.is_spec(batch_spec):
+        shd.check_spec_axes(shd.as_spec(batch_spec), mesh)
     bare = jax.tree.leaves(param_specs, is_leaf=shd.is_sharding_leaf)
     if mesh is None and any(isinstance(s, P) for s in bare):
         raise ValueError(
@@ -186,11 +185,9 @@ def accumulate_gradients(
     def compiled(params, batch, *args):
         return _accumulate(opts, params, batch, args)
 
-    def grad_fn(params, batch, *args):
-        if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((params, batch, args))):
-            return _accumulate(opts, params, batch, args)  # in the caller's trace: inline
-        return compiled(params, batch, *args)  # eager: jit's cache, one compile per signature
-
+    grad_fn = mesh_types.on_auto_mesh(
+        compiled, lambda params, batch, *args: _accumulate(opts, params, batch, args), mesh
+    )
     grad_fn.__name__ = f"accumulated_{getattr(loss_fn, '__name__', 'loss')}"
     grad_fn.__doc__ = f"{steps}-step accumulated value_and_grad of {loss_fn!r}."
     return grad_fn

@@ -138,8 +138,8 @@ def check_auto_mesh(mesh: Mesh) -> None:
     if bad:
         raise ValueError(
             f"mesh axes {tuple(bad)} have axis types {types}; trn_accum states shardings with "
-            "sharding constraints and needs Auto axes: build the mesh with "
-            "trn_accum.sharding.build_mesh or jax.make_mesh(..., axis_types=(AxisType.Auto,) * n)"
+            "sharding constraints and needs Auto axes: build the mesh with trn_accum.build_mesh "
+            "or jax.make_mesh(..., axis_types=(jax.sharding.AxisType.Auto,) * n)"
         )
 
 

@@ -57,7 +57,7 @@ class MeshConfig:
     nodes: int = 1  # the node count the global batch is meant for (dry-run default)
 
     def axes(self) -> dict[str, int]:
-        """{"data": ..., "fsdp": ..., "model": ...} for `trn_accum.sharding.build_mesh`."""
+        """{"data": ..., "fsdp": ..., "model": ...} for `trn_accum.build_mesh`."""
         return {"data": self.data, "fsdp": self.fsdp, "model": self.model}
 
 
