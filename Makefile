@@ -46,12 +46,17 @@ TESTS_JAX_NEXT := tests/test_accumulation.py tests/test_gather_once.py \
                   tests/test_multi_steps.py tests/test_model.py tests/test_attention.py \
                   tests/test_xent.py
 
+# What those tests import beyond the package: the test extra's runners and clients, not its
+# torch (PyPI's torch for Python >= 3.12 is the CUDA build, several GB; only the Hugging Face
+# test needs it, and it is not in this pass).
+TEST_NEXT_EXTRA := 'pytest>=8,<9' 'pytest-xdist>=3.5' 'flax>=0.12' 'equinox>=0.13'
+
 $(STAMP_NEXT): pyproject.toml
 	@test -n "$(PYTHON_NEXT)" || { echo "test-jax-next: JAX $(JAX_NEXT) needs Python >= 3.12; none found (set PYTHON_NEXT=...)" >&2; exit 1; }
 	test -x $(VENV_NEXT)/bin/python || $(PYTHON_NEXT) -m venv $(VENV_NEXT)
 	$(VENV_NEXT)/bin/python -m pip install -q --disable-pip-version-check -U pip
-	$(VENV_NEXT)/bin/python -m pip install -q --disable-pip-version-check -e '.[test]' \
-	  jax==$(JAX_NEXT) jaxlib==$(JAX_NEXT)
+	$(VENV_NEXT)/bin/python -m pip install -q --disable-pip-version-check -e . \
+	  jax==$(JAX_NEXT) jaxlib==$(JAX_NEXT) $(TEST_NEXT_EXTRA)
 	touch $(STAMP_NEXT)
 
 test-jax-next: $(STAMP_NEXT)   ## the core and model tests on JAX $(JAX_NEXT) (.venv-jax-next)
