@@ -8,6 +8,12 @@ os.environ["XLA_FLAGS"] = (
     " --xla_cpu_enable_concurrency_optimized_scheduler=false"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The trainer fits its lines to $COLUMNS (trn_accum.train.metrics.console_width). pytest-xdist's
+# workers inherit a COLUMNS (and LINES) that GNU readline sets in the environment of the process
+# that imports it, so every `trn-accum` subprocess would wrap its lines at 80 columns. The suite's
+# subprocesses print as to a log file (no width); tests of the width set COLUMNS themselves.
+os.environ.pop("COLUMNS", None)
+os.environ.pop("LINES", None)
 
 import jax  # noqa: E402
 

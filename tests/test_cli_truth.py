@@ -94,8 +94,9 @@ def test_cli_refusal_is_the_same_line(tmp_path):
 
 def test_train_lines_fit_80_columns(tmp_path):
     """check-config accepts K=2, and `trn-accum train` then trains under COLUMNS=80 with every
-    line it prints at most 80 characters and every figure still shown; metrics.jsonl keeps
-    every figure of every step."""
+    line it prints at most 80 characters (a single word longer than that, a path, stands on a
+    line of its own) and every figure still shown; metrics.jsonl keeps every figure of every
+    step."""
     args = ["--config", TINY, "--set", "trainer.accum_steps=2"]
     checked = _run("check-config", "--", *args)
     assert checked.returncode == 0 and "ok on 8 devices" in checked.stdout, checked.stderr
@@ -103,7 +104,10 @@ def test_train_lines_fit_80_columns(tmp_path):
     r = _run("train", *args, *sets, "--run-dir", str(tmp_path), COLUMNS="80")
     assert r.returncode == 0, r.stderr[-3000:]
     lines = r.stdout.splitlines()
-    assert max(len(ln) for ln in lines) <= 80, [ln for ln in lines if len(ln) > 80]
+    # a line over 80 may only be one word the wrap cannot split (the run dir's path in the
+    # final "saved" message: pytest's tmp_path here is longer than 80 columns)
+    assert not [ln for ln in lines if len(ln) > 80 and len(ln.split()) > 1], lines
+    assert all(len(ln) <= 80 for ln in lines if ln.startswith(("step ", "  skipped"))), lines
     shown = "\n".join(lines)
     for figure in FIGURES:
         assert f"{figure} " in shown, (figure, shown)
