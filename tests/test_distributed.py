@@ -537,7 +537,7 @@ FATE_WORKER = textwrap.dedent(
     import jax, jax.numpy as jnp
     from jax.experimental import multihost_utils
     multihost_utils.sync_global_devices("up")
-    print("up", flush=True)
+    print("\\nrank-is-up", flush=True)  # gloo writes to this stdout too, without a newline
     time.sleep(120)
     """
 )
@@ -569,10 +569,14 @@ def test_a_dead_peer_makes_the_other_process_exit(tmp_path):
                 )
             )
         for i, p in enumerate(procs):  # wait until both ranks are past a global barrier
-            lines = iter(p.stdout.readline, "")
-            came_up = any(line.strip() == "up" for line in lines)
+            seen = []
+            for line in iter(p.stdout.readline, ""):
+                seen.append(line)
+                if "rank-is-up" in line:
+                    break
             err = (tmp_path / f"rank{i}.err").read_text()[-3000:]
-            assert came_up, f"rank {i} never came up:\n{err}"
+            out = "".join(seen)[-3000:]
+            assert "rank-is-up" in out, f"rank {i} never came up:\nstdout:\n{out}\nstderr:\n{err}"
         procs[1].send_signal(signal.SIGKILL)
         t0 = time.monotonic()
         rc = procs[0].wait(timeout=60)
