@@ -136,12 +136,13 @@ class ProcResult:
     stderr: str
 
     def tagged(self, tag: str) -> str:
-        """The rest of the last stdout line starting with `tag` (C++ libraries such as gloo
-        write to the same stdout, so results are printed with a tag)."""
-        lines = [ln for ln in self.stdout.splitlines() if ln.startswith(tag)]
+        """The rest of the last stdout line after `tag` (C++ libraries such as gloo
+        write to the same stdout from their own threads, a line's head can be theirs, so results
+        are printed with a tag and the tag is looked for anywhere in a line)."""
+        lines = [ln for ln in self.stdout.splitlines() if tag in ln]
         if not lines:
             raise AssertionError(f"rank {self.rank}: no {tag!r} line in stdout:\n{self.stdout}")
-        return lines[-1][len(tag) :].strip()
+        return lines[-1].rpartition(tag)[2].strip()
 
 
 class ProcessesFailed(AssertionError):
