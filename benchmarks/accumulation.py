@@ -33,7 +33,10 @@ from jax.sharding import PartitionSpec as P
 
 from trn_accum import accumulate_gradients
 from trn_accum.analysis import collectives as coll
-from trn_accum.core.sharding import build_mesh, constrain, leaf_specs, split_minibatches
+from trn_accum.core.constraints import constrain
+from trn_accum.core.mesh import build_mesh
+from trn_accum.core.specs import leaf_specs
+from trn_accum.core.split import split_minibatches
 
 BATCH_AXES = ("data", "fsdp")
 SPEC = P(BATCH_AXES)

@@ -15,8 +15,9 @@ from jax.sharding import PartitionSpec as P
 from trn_accum import accumulate_gradients
 from trn_accum.analysis import collectives as coll
 from trn_accum.analysis import hlo
-from trn_accum.core.sharding import build_mesh, leaf_specs
-from trn_accum.core.sharding import constrain as constrain_sharding
+from trn_accum.core.mesh import build_mesh
+from trn_accum.core.specs import leaf_specs
+from trn_accum.core.constraints import constrain as constrain_sharding
 
 D, H, C, S, B = 16, 32, 8, 4, 64  # features, hidden, classes, sequence, global batch
 FSDP_PARAMS = {"w1": P("fsdp", None), "b1": P(), "w2": P(None, "fsdp")}

@@ -22,7 +22,9 @@ from jax.sharding import PartitionSpec as P
 
 from trn_accum import accumulate_gradients
 from trn_accum.analysis import collectives as coll
-from trn_accum.core.sharding import build_mesh, constrain, leaf_specs
+from trn_accum.core.constraints import constrain
+from trn_accum.core.mesh import build_mesh
+from trn_accum.core.specs import leaf_specs
 
 BATCH_SPEC = P(("data", "fsdp"))
 MESHES = {"data4_fsdp2": {"data": 4, "fsdp": 2}, "data8": {"data": 8, "fsdp": 1}}

@@ -14,7 +14,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from trn_accum import accumulate_gradients
-from trn_accum.core.sharding import build_mesh
+from trn_accum.core.mesh import build_mesh
 
 D, B, K = 4, 32, 4
 MESH_AXES = {"data": 4, "fsdp": 2}

@@ -13,7 +13,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from trn_accum import WeightedScalar, accumulate_gradients
-from trn_accum.core.sharding import build_mesh, constrain, leaf_specs
+from trn_accum.core.constraints import constrain
+from trn_accum.core.mesh import build_mesh
+from trn_accum.core.specs import leaf_specs
 
 D, H, C, S, B, K = 8, 16, 4, 4, 32, 4  # features, hidden, classes, sequence, batch, steps
 AXES = {"data": 4, "fsdp": 2}  # reduce="once": manual over data (4), fsdp stays automatic
