@@ -145,14 +145,15 @@ def from_legacy(strategy: Strategy | None, legacy: dict) -> tuple[Strategy, bool
     if not legacy:
         return (Strategy() if strategy is None else strategy), False
     names = ", ".join(f"{k}=" for k in legacy)
-    fields = ", ".join(f"{k}={legacy[k]!r}" for k in legacy)
     if strategy is not None:
         raise TypeError(
             f"accumulate_gradients() got both strategy= and the old keywords {names}: pass "
-            f"only strategy=, with them in it: strategy=dataclasses.replace(strategy, {fields})"
+            "only strategy=, with them in it (dataclasses.replace(strategy, ...))"
         )
-    new = Strategy(**{k: legacy[k] for k in LEGACY_KEYWORDS if k in legacy})
+    if legacy.get("gather", "per_minibatch") == "per_minibatch":  # gather_dtype was ignored
+        legacy = {k: v for k, v in legacy.items() if k != "gather_dtype"}
     triple = bool(legacy.get("skip_nonfinite"))
+    fields = ", ".join(f"{k}={legacy[k]!r}" for k in legacy)
     note = (
         "; under the old skip_nonfinite=True grad_fn still returns (value, grads, dropped) "
         "for this release: with strategy=, grad_fn returns (value, grads) as "
@@ -167,4 +168,4 @@ def from_legacy(strategy: Strategy | None, legacy: dict) -> tuple[Strategy, bool
         DeprecationWarning,
         stacklevel=3,
     )
-    return new, triple
+    return Strategy(**legacy), triple  # after the warning: the Strategy's rules apply too
