@@ -370,11 +370,13 @@ def test_eager_calls_compile_once_and_nest_without_recompiling():
 def test_reduce_once_needs_an_additive_weight_fn():
     params, specs, loss_fn = nnx_problem()
     with pytest.raises(ValueError, match=r'reduce="once" needs an explicit weight_fn') as e:
-        nnx_grad_fn(loss_fn, specs, weight_fn=None, reduce="once")
+        nnx_grad_fn(loss_fn, specs, weight_fn=None, strategy=Strategy(reduce="once"))
     assert "\n" not in str(e.value)
     batch = make_batch(5)
     aux_reduction = {"tokens": "sum", "accuracy": "mean"}
-    once = jax.jit(nnx_grad_fn(loss_fn, specs, aux_reduction=aux_reduction, reduce="once"))
+    once = jax.jit(
+        nnx_grad_fn(loss_fn, specs, aux_reduction=aux_reduction, strategy=Strategy(reduce="once"))
+    )
     per = jax.jit(nnx_grad_fn(loss_fn, specs, aux_reduction=aux_reduction))
     full = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
     out = once(params, batch)

@@ -138,7 +138,9 @@ def test_fuji_loss_gathered_once_equals_per_minibatch(dtype):
                 weight_fn=lambda mb: mb["target_mask"].sum(),
                 aux_reduction=step.AUX_REDUCTION,
                 strategy=Strategy(
-                    reduce="once", gather=gather, gather_dtype=cfg.model.compute_dtype
+                    reduce="once",
+                    gather=gather,
+                    gather_dtype=None if gather == "per_minibatch" else cfg.model.compute_dtype,
                 ),
             )
             out[gather] = jax.jit(fn)(params, batch)
