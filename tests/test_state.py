@@ -135,8 +135,8 @@ def test_state_with_skip_nonfinite_keeps_the_state_before_a_dropped_minibatch(lo
         aux_reduction={"rows": "sum"},
         strategy=Strategy(loop=loop, skip_nonfinite=True),
     )
-    ((loss, (_, new)), grads), stats = jax.jit(fn.with_stats)(params, batch, stats)
-    assert int(stats.dropped) == 1 and int(new["count"]) == K - 1
+    ((loss, (_, new)), grads), counts = jax.jit(fn.with_stats)(params, batch, stats)
+    assert int(counts.dropped) == 1 and int(new["count"]) == K - 1
     state, losses, gs = stats, [], []
     for i in (0, 2, 3):
         mb = {n: v[i::K] for n, v in batch.items()}

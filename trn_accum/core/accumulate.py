@@ -17,7 +17,9 @@ full-batch loss is Σ w_i L_i / Σ w_i, and so are the gradients; a mean of mini
 wrong when the w_i differ. Zero-weight minibatches are dropped by selection (`jnp.where`), not by
 multiplication, so a NaN loss of an all-padding minibatch (0/0) does not leak (0 * NaN = NaN).
 The carry lives in `accumulator`, the aux reductions in `reductions` (`WeightedScalar`:
-`summaries`), `reduce="once"` in `reduce_once`, the threaded state (`state_argnum`) in `state`.
+`summaries`), `reduce="once"` in `reduce_once`, the threaded state (`state_argnum`) in `state`,
+the options that go together in `strategy` (`Strategy`). grad_fn returns value_and_grad's pytree
+whatever the Strategy; `grad_fn.with_stats` adds `AccumulationStats` (the dropped count).
 
 Everything it emits is static: a fixed-length `lax.scan` or straight-line code, no `lax.cond`,
 no host callbacks, no data-dependent loop bounds (Neuron constraints).
@@ -44,13 +46,12 @@ from trn_accum.core import state as st
 from trn_accum.core.accumulator import Accumulator, all_finite, minibatch_weight
 from trn_accum.core.batch_rules import check_batch_spec_has_mesh, validate_batch, validate_steps
 from trn_accum.core.constraints import constrain
-from trn_accum.core.reductions import AUX_REDUCTIONS, AuxReductionWarning, check_aux_reduction
+from trn_accum.core.reductions import check_aux_reduction
 from trn_accum.core.specs import as_spec, check_spec_axes, is_sharding_leaf, is_spec, leaf_shardings
 from trn_accum.core.split import split_leaf
 from trn_accum.core.strategy import AccumulationStats, Strategy, from_legacy
 
-__all__ = ["AUX_REDUCTIONS", "AccumulationStats", "AuxReductionWarning", "Strategy"]
-__all__ += ["accumulate_gradients"]
+__all__ = ["AccumulationStats", "Strategy", "accumulate_gradients"]
 
 
 @dataclasses.dataclass(frozen=True)
