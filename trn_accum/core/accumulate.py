@@ -100,9 +100,8 @@ def accumulate_gradients(
         same math, no constraints (a `batch_spec` without `mesh` is a ValueError).
       param_specs: PartitionSpecs (or NamedShardings) of the parameters, a pytree prefix of
         `params` (None: no constraint); the float32 accumulator and each minibatch gradient
-        are constrained to them. None leaves and empty subtrees of `params` (`eqx.partition`'s)
-        get no gradient and no constraint. A spec that does not fit its parameter is a
-        ValueError.
+        are constrained to them (a spec that does not fit is a ValueError). None leaves and
+        empty subtrees of `params` (`eqx.partition`'s) get no gradient and no constraint.
       weight_fn: `weight_fn(minibatch) -> scalar` weight w_i (e.g. the number of real target
         tokens); None = equal weights. Weights should be >= 0; w_i == 0 drops minibatch i.
       aux_reduction: how aux leaves combine (`reductions`): "mean" (weighted like the loss),
@@ -112,8 +111,7 @@ def accumulate_gradients(
         leaves "concat". `WeightedScalar` nodes combine by their own weights, unnamed.
       has_aux: `loss_fn` returns `(loss, aux)`.
       rng_argnum: index or tuple of indices (>= 2: params = 0, batch = 1) of grad_fn's PRNG
-        key arguments; minibatch i receives `jax.random.fold_in(key, i)` for each (under
-        reduce="once" `fold_in(fold_in(key, i), j)`, j the device index).
+        key arguments; minibatch i receives `jax.random.fold_in(key, i)` for each.
       state_argnum: index (>= 2) of a non-parameter state argument threaded through the
         minibatches in order (`core/state.py`): loss_fn returns `(loss, (aux, new_state))` and
         grad_fn `((loss, (aux, final_state)), grads)`. Needs has_aux, reduce="per_minibatch".
