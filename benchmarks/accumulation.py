@@ -31,9 +31,12 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from trn_accum import accumulate_gradients
+from trn_accum import Strategy, accumulate_gradients
 from trn_accum.analysis import collectives as coll
-from trn_accum.core.sharding import build_mesh, constrain, leaf_specs, split_minibatches
+from trn_accum.core.constraints import constrain
+from trn_accum.core.mesh import build_mesh
+from trn_accum.core.specs import leaf_specs
+from trn_accum.core.split import split_minibatches
 
 BATCH_AXES = ("data", "fsdp")
 SPEC = P(BATCH_AXES)
@@ -164,8 +167,7 @@ def main(argv=None) -> int:
             batch_spec=SPEC,
             param_specs=pspecs,
             weight_fn=weight_fn if weighted else None,
-            loop=loop,
-            reduce=reduce,
+            strategy=Strategy(loop=loop, reduce=reduce),
         )
 
     # 1. The split alone, with both partitioners.

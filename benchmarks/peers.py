@@ -44,8 +44,8 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from trn_accum.analysis import collectives as coll  # noqa: E402
-from trn_accum.core.accumulate import accumulate_gradients  # noqa: E402
-from trn_accum.core.sharding import split_minibatches  # noqa: E402
+from trn_accum.core.accumulate import Strategy, accumulate_gradients  # noqa: E402
+from trn_accum.core.split import split_minibatches  # noqa: E402
 from trn_accum.model import fuji  # noqa: E402
 from trn_accum.train import step  # noqa: E402
 from trn_accum.train.config import load_config  # noqa: E402
@@ -84,10 +84,16 @@ def _grad_fns(cfg, mesh, specs):
 
     def ours(k, reduce):
         fn = accumulate_gradients(
-            loss, steps=k, mesh=mesh, batch_spec=step.BATCH_SPEC, param_specs=specs,
-            weight_fn=lambda mb: mb["target_mask"].sum(), has_aux=True,
-            aux_reduction=step.AUX_REDUCTION, grad_dtype=jnp.float32, reduce=reduce,
-        )  # fmt: skip
+            loss,
+            steps=k,
+            mesh=mesh,
+            batch_spec=step.BATCH_SPEC,
+            param_specs=specs,
+            weight_fn=lambda mb: mb["target_mask"].sum(),
+            has_aux=True,
+            aux_reduction=step.AUX_REDUCTION,
+            strategy=Strategy(grad_dtype=jnp.float32, reduce=reduce),
+        )
         return lambda p, b: fn(p, b)[1]
 
     def contiguous(p, b):

@@ -40,7 +40,7 @@ def smallest_gathered_weight(cfg, mesh_shape) -> int:
     import jax
     from jax.sharding import PartitionSpec as P
 
-    from trn_accum.core.sharding import spec_axes
+    from trn_accum.core.specs import spec_axes
     from trn_accum.model import fuji
 
     specs = jax.tree.leaves(

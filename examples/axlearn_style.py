@@ -10,8 +10,8 @@ such summaries over minibatches as AXLearn does (Σ mean·weight / Σ weight, Σ
 being named in `aux_reduction`; the per-example loss [B] is stitched back in row order.
 
 Checked against `jax.value_and_grad` on the full batch (loss, gradients, summaries), then with
-`skip_nonfinite=True` on a batch whose minibatch 1 has a NaN input: against the full batch
-over the other rows. Exit status 1 if anything differs.
+`Strategy(skip_nonfinite=True)` on a batch whose minibatch 1 has a NaN input: against the full
+batch over the other rows. Exit status 1 if anything differs.
 """
 
 import os
@@ -36,7 +36,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from trn_accum import WeightedScalar, accumulate_gradients, build_mesh, constrain  # noqa: E402
+from trn_accum import Strategy, WeightedScalar, accumulate_gradients, build_mesh, constrain  # noqa: E402
 
 B, S, D, H, C, K = 32, 8, 16, 32, 8, 4  # rows, tokens per row, features, hidden, classes, k
 BATCH_SPEC = P(("data", "fsdp"))
@@ -123,7 +123,7 @@ def main() -> int:
     )
 
     # skip_nonfinite: minibatch 1 (rows 1::K) gets a NaN input; the rest is the full batch over
-    # the other rows, and the dropped count is the third output.
+    # the other rows, and grad_fn.with_stats gives the dropped count beside value_and_grad's.
     bad = dict(batch, x=batch["x"].copy())
     bad["x"][1::K, 0, 0] = np.nan
     rows = np.setdiff1d(np.arange(B), np.arange(1, B, K))
@@ -131,11 +131,17 @@ def main() -> int:
         params, {n: v[rows] for n, v in bad.items()}
     )
     skip_fn = accumulate_gradients(
-        make_loss(mesh), steps=K, mesh=mesh, batch_spec=BATCH_SPEC, param_specs=PARAM_SPECS,
-        weight_fn=lambda mb: mb["mask"].sum(), has_aux=True, skip_nonfinite=True,
+        make_loss(mesh),
+        steps=K,
+        mesh=mesh,
+        batch_spec=BATCH_SPEC,
+        param_specs=PARAM_SPECS,
+        weight_fn=lambda mb: mb["mask"].sum(),
+        has_aux=True,
         aux_reduction={"per_example_loss": "concat"},
-    )  # fmt: skip
-    (loss, summaries), grads, dropped = jax.jit(skip_fn)(
+        strategy=Strategy(skip_nonfinite=True),
+    )
+    ((loss, summaries), grads), stats = jax.jit(skip_fn.with_stats)(
         on_mesh, jax.device_put(bad, NamedSharding(mesh, BATCH_SPEC))
     )
     summaries = dict(summaries, per_example_loss=np.asarray(summaries["per_example_loss"])[rows])
@@ -143,9 +149,10 @@ def main() -> int:
 
     print(f"max relative error vs the full batch (loss, summaries, gradients): {err:.2e}")
     print(
-        f"skip_nonfinite: dropped {int(dropped)} minibatch, error vs the other rows {err_skip:.2e}"
+        f"skip_nonfinite: dropped {int(stats.dropped)} minibatch, "
+        f"error vs the other rows {err_skip:.2e}"
     )
-    return 0 if max(err, err_skip) <= 1e-5 and int(dropped) == 1 else 1
+    return 0 if max(err, err_skip) <= 1e-5 and int(stats.dropped) == 1 else 1
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ import optax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from trn_accum import accumulate_gradients, build_mesh, constrain  # noqa: E402
+from trn_accum import Strategy, accumulate_gradients, build_mesh, constrain  # noqa: E402
 
 B, S, D, H, C, K = 32, 8, 16, 64, 8, 4  # rows, tokens per row, features, hidden, classes, k
 BATCH_SPEC = P(("data", "fsdp"))
@@ -101,7 +101,7 @@ def main() -> int:
 
     batch = make_batch(0)
     ref_loss, ref_grads = jax.jit(jax.value_and_grad(loss_fn))(params, batch)
-    once_loss, once_grads = jax.jit(accumulate(reduce="once"))(params, batch)
+    once_loss, once_grads = jax.jit(accumulate(strategy=Strategy(reduce="once")))(params, batch)
     err_once = max_relative_error((once_loss, once_grads), (ref_loss, ref_grads))
 
     opt_state = opt.init(params)

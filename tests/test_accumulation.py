@@ -12,11 +12,12 @@ from conftest import assert_close
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from trn_accum import accumulate_gradients
+from trn_accum import Strategy, accumulate_gradients
 from trn_accum.analysis import collectives as coll
 from trn_accum.analysis import hlo
-from trn_accum.core.sharding import build_mesh, leaf_specs
-from trn_accum.core.sharding import constrain as constrain_sharding
+from trn_accum.core.constraints import constrain as constrain_sharding
+from trn_accum.core.mesh import build_mesh
+from trn_accum.core.specs import leaf_specs
 
 D, H, C, S, B = 16, 32, 8, 4, 64  # features, hidden, classes, sequence, global batch
 FSDP_PARAMS = {"w1": P("fsdp", None), "b1": P(), "w2": P(None, "fsdp")}
@@ -113,8 +114,7 @@ def grad_fn_for(mesh_name, k, loop="scan", reduce="per_minibatch"):
         weight_fn=weight_fn,
         aux_reduction=AUX_REDUCTION,
         has_aux=True,
-        loop=loop,
-        reduce=reduce,
+        strategy=Strategy(loop=loop, reduce=reduce),
     )
 
 
@@ -208,7 +208,9 @@ def test_unweighted_mean_loss_without_mesh():
     }
     ref = jax.value_and_grad(loss_fn)(params, batch, 2.0)
     for loop in ("scan", "unroll"):
-        out = jax.jit(accumulate_gradients(loss_fn, steps=4, loop=loop))(params, batch, 2.0)
+        out = jax.jit(accumulate_gradients(loss_fn, steps=4, strategy=Strategy(loop=loop)))(
+            params, batch, 2.0
+        )
         assert_tree_close(out, ref)
 
 
@@ -373,7 +375,7 @@ def test_errors():
             has_aux=True,
         )(params, batch)
     with pytest.raises(ValueError, match="loop='while'"):
-        accumulate_gradients(loss_fn, steps=2, loop="while")
+        accumulate_gradients(loss_fn, steps=2, strategy=Strategy(loop="while"))
     with pytest.raises(ValueError, match="rng_argnum=1"):
         accumulate_gradients(loss_fn, steps=2, rng_argnum=1)
     with pytest.raises(ValueError, match="needs mesh"):
@@ -420,7 +422,11 @@ def test_minibatch_keys_distinct_and_deterministic(loop):
         return jnp.mean(batch["x"] * params), {"noise": noise}
 
     batch = {"x": jnp.arange(16.0)}
-    fn = jax.jit(accumulate_gradients(loss_fn, steps=k, has_aux=True, rng_argnum=2, loop=loop))
+    fn = jax.jit(
+        accumulate_gradients(
+            loss_fn, steps=k, has_aux=True, rng_argnum=2, strategy=Strategy(loop=loop)
+        )
+    )
     key = jax.random.key(42)
     (_, aux1), _ = fn(jnp.float32(1.0), batch, key)
     (_, aux2), _ = fn(jnp.float32(1.0), batch, key)
@@ -443,9 +449,13 @@ def test_grad_dtype():
     p16 = jnp.bfloat16(0.5)
     _, g = accumulate_gradients(loss_fn, steps=2)(p16, batch)  # default: value_and_grad's
     assert g.dtype == jnp.bfloat16 == jax.value_and_grad(loss_fn)(p16, batch)[1].dtype
-    _, g = accumulate_gradients(loss_fn, steps=2, grad_dtype=jnp.float32)(p16, batch)
+    _, g = accumulate_gradients(loss_fn, steps=2, strategy=Strategy(grad_dtype=jnp.float32))(
+        p16, batch
+    )
     assert g.dtype == jnp.float32
-    _, g = accumulate_gradients(loss_fn, steps=2, grad_dtype=jnp.bfloat16)(jnp.float32(0.5), batch)
+    _, g = accumulate_gradients(loss_fn, steps=2, strategy=Strategy(grad_dtype=jnp.bfloat16))(
+        jnp.float32(0.5), batch
+    )
     assert g.dtype == jnp.bfloat16
 
 
@@ -513,7 +523,7 @@ def test_reduce_once_keys_and_errors():
         weight_fn=lambda mb: mb["x"].shape[0],  # a plain mean over rows: the row count
         has_aux=True,
         rng_argnum=2,
-        reduce="once",
+        strategy=Strategy(reduce="once"),
     )
     key = jax.random.key(0)
     (loss, aux), g = jax.jit(fn)(jnp.float32(2.0), batch, key)
@@ -524,7 +534,7 @@ def test_reduce_once_keys_and_errors():
     (_, aux2), _ = jax.jit(fn)(jnp.float32(2.0), batch, key)
     np.testing.assert_array_equal(noise, aux2["noise"])
     with pytest.raises(ValueError, match="reduce='twice'"):
-        accumulate_gradients(loss_fn, steps=2, reduce="twice")
+        accumulate_gradients(loss_fn, steps=2, strategy=Strategy(reduce="twice"))
 
 
 # ----------------------------------------------------------------------------- issue 21
@@ -552,10 +562,16 @@ def test_python_number_aux_leaves(k, loop, reduce):
         ({"n": "sum", "m": "mean", "z": "max"}, {"n": k * (2 if reduce == "once" else 1)}),
     ):
         fn = accumulate_gradients(
-            _number_aux_loss, steps=k, mesh=mesh, batch_spec=spec, param_specs=pspecs,
-            weight_fn=weight_fn, has_aux=True, loop=loop, reduce=reduce,
+            _number_aux_loss,
+            steps=k,
+            mesh=mesh,
+            batch_spec=spec,
+            param_specs=pspecs,
+            weight_fn=weight_fn,
+            has_aux=True,
             aux_reduction=red or {"n": None, "m": None, "z": None},
-        )  # fmt: skip
+            strategy=Strategy(loop=loop, reduce=reduce),
+        )
         (loss, aux), grads = jax.jit(fn)(params, batch)
         assert_close((loss, grads), (ref[0][0], ref[1]), rtol=1e-5, scaled_atol=True)
         scale = factor if isinstance(factor, dict) else {}
@@ -576,7 +592,9 @@ def test_two_minibatch_keys(loop):
         return scale * jnp.mean(batch["x"] * params), aux
 
     batch = {"x": jnp.arange(16.0)}
-    fn = accumulate_gradients(loss_fn, steps=k, has_aux=True, rng_argnum=(2, 4), loop=loop)
+    fn = accumulate_gradients(
+        loss_fn, steps=k, has_aux=True, rng_argnum=(2, 4), strategy=Strategy(loop=loop)
+    )
     key_a, key_b = jax.random.key(1), jax.random.key(2)
     (loss, aux), _ = jax.jit(fn)(jnp.float32(1.0), batch, key_a, 2.0, key_b)
     np.testing.assert_allclose(loss, 2.0 * 7.5)
@@ -604,7 +622,7 @@ def test_equal_weights_all_padding_is_the_full_batch(loop):
     exactly 0. A loss that guards its own division gives 0 under both, like the full batch."""
     params, batch = make_inputs(4)
     batch["mask"][:] = 0.0
-    opts = dict(steps=4, has_aux=True, aux_reduction=AUX_REDUCTION, loop=loop)
+    opts = dict(steps=4, has_aux=True, aux_reduction=AUX_REDUCTION, strategy=Strategy(loop=loop))
 
     def guarded(params, batch):
         _, aux = make_loss()(params, batch)  # per_example × row tokens = Σ_row nll·mask

@@ -11,7 +11,7 @@ from conftest import assert_close
 from jax.sharding import PartitionSpec as P
 
 from trn_accum.core.accumulate import accumulate_gradients
-from trn_accum.core.sharding import build_mesh
+from trn_accum.core.mesh import build_mesh
 from trn_accum.model.attention import attention, blockwise_attention
 from trn_accum.model.xent import cross_entropy
 from trn_accum.neuron import kernels as nki_kernels

@@ -17,7 +17,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from trn_accum import accumulate_gradients, build_mesh
+from trn_accum import Strategy, accumulate_gradients, build_mesh
 from trn_accum.core import AuxReductionWarning
 
 B, S, D, H, C, K = 32, 4, 16, 64, 8, 4  # rows, tokens per row, features, hidden, classes, k
@@ -107,7 +107,7 @@ def test_equinox_none_holes_equal_full_batch(loop):
         weight_fn=weight_fn,
         has_aux=True,
         aux_reduction={"tokens": "sum", "accuracy": "mean"},  # per_example: the default
-        loop=loop,
+        strategy=Strategy(loop=loop),
     )
     with no_aux_warnings():
         out = eqx.filter_jit(grad_fn)(params, batch)
@@ -276,9 +276,11 @@ def test_grad_dtypes_equal_value_and_grad():
     assert dtypes == {"bfloat16", "float32"}, dtypes
     out = jax.jit(nnx_grad_fn(loss_fn, specs, aux_reduction=aux_reduction))(params, batch)
     assert_close(out, ref, rtol=2e-2, scaled_atol=True, dtypes=True)  # bf16 rounding
-    out = jax.jit(nnx_grad_fn(loss_fn, specs, aux_reduction=aux_reduction, grad_dtype=jnp.float32))(
-        params, batch
-    )
+    out = jax.jit(
+        nnx_grad_fn(
+            loss_fn, specs, aux_reduction=aux_reduction, strategy=Strategy(grad_dtype=jnp.float32)
+        )
+    )(params, batch)
     assert {str(x.dtype) for x in jax.tree.leaves(out[1])} == {"float32"}
 
 
@@ -368,11 +370,13 @@ def test_eager_calls_compile_once_and_nest_without_recompiling():
 def test_reduce_once_needs_an_additive_weight_fn():
     params, specs, loss_fn = nnx_problem()
     with pytest.raises(ValueError, match=r'reduce="once" needs an explicit weight_fn') as e:
-        nnx_grad_fn(loss_fn, specs, weight_fn=None, reduce="once")
+        nnx_grad_fn(loss_fn, specs, weight_fn=None, strategy=Strategy(reduce="once"))
     assert "\n" not in str(e.value)
     batch = make_batch(5)
     aux_reduction = {"tokens": "sum", "accuracy": "mean"}
-    once = jax.jit(nnx_grad_fn(loss_fn, specs, aux_reduction=aux_reduction, reduce="once"))
+    once = jax.jit(
+        nnx_grad_fn(loss_fn, specs, aux_reduction=aux_reduction, strategy=Strategy(reduce="once"))
+    )
     per = jax.jit(nnx_grad_fn(loss_fn, specs, aux_reduction=aux_reduction))
     full = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
     out = once(params, batch)
@@ -393,7 +397,9 @@ def test_dropout_key_rule_of_both_modes():
     common = dict(steps=K, mesh=data8, batch_spec=P("data"), has_aux=True, rng_argnum=2)
     rows = lambda mb: mb["x"].shape[0]  # noqa: E731 (a plain mean: the row count)
     per = jax.jit(accumulate_gradients(loss_fn, weight_fn=rows, **common))
-    once = jax.jit(accumulate_gradients(loss_fn, weight_fn=rows, reduce="once", **common))
+    once = jax.jit(
+        accumulate_gradients(loss_fn, weight_fn=rows, **common, strategy=Strategy(reduce="once"))
+    )
     u_per = np.asarray(per(jnp.float32(1.0), batch, key)[0][1]["u"])
     u_once = np.asarray(once(jnp.float32(1.0), batch, key)[0][1]["u"])
     for i in range(K):

@@ -420,7 +420,7 @@ ACCUM_PROGRAM = textwrap.dedent(
     from jax.experimental import multihost_utils
     from jax.sharding import NamedSharding, PartitionSpec as P
     from trn_accum.core.accumulate import accumulate_gradients
-    from trn_accum.core.sharding import build_mesh
+    from trn_accum.core.mesh import build_mesh
 
     def compute():
         mesh = build_mesh({"data": -1, "fsdp": 2})

@@ -14,7 +14,7 @@ import pytest
 
 from trn_accum import cli
 from trn_accum.analysis import hlo, memory
-from trn_accum.core.sharding import resolve_axes
+from trn_accum.core.mesh import resolve_axes
 from trn_accum.model import fuji
 from trn_accum.neuron import preflight as neuron
 from trn_accum.plan import dryrun

@@ -12,7 +12,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from test_reduce_once import assert_norm_close, fuji_config
 
-from trn_accum import accumulate_gradients
+from trn_accum import Strategy, accumulate_gradients
 from trn_accum.analysis.collectives import collectives, group_axes
 from trn_accum.analysis.memory import gather_once_bytes
 
@@ -62,9 +62,14 @@ def test_mlp_equals_the_full_batch_and_gathers_outside_the_loop(gather, loop):
     params, batch = _mlp(mesh)
     ref = jax.jit(jax.value_and_grad(_loss))(params, batch)
     fn = accumulate_gradients(
-        _loss, steps=2, mesh=mesh, batch_spec=P(("data", "fsdp")), param_specs=SPECS,
-        weight_fn=lambda b: b["m"].sum(), loop=loop, reduce="once", gather=gather,
-    )  # fmt: skip
+        _loss,
+        steps=2,
+        mesh=mesh,
+        batch_spec=P(("data", "fsdp")),
+        param_specs=SPECS,
+        weight_fn=lambda b: b["m"].sum(),
+        strategy=Strategy(loop=loop, reduce="once", gather=gather),
+    )
     with jax.set_mesh(mesh):
         compiled = jax.jit(fn).lower(params, batch).compile()
         loss, grads = compiled(params, batch)
@@ -124,11 +129,20 @@ def test_fuji_loss_gathered_once_equals_per_minibatch(dtype):
         modes = ("once", "once_unsharded") if dtype == "float32" else ("once_unsharded",)
         for gather in ("per_minibatch", *modes):
             fn = accumulate_gradients(
-                loss, steps=k, mesh=mesh, batch_spec=step.BATCH_SPEC, param_specs=specs,
-                has_aux=True, weight_fn=lambda mb: mb["target_mask"].sum(),
-                aux_reduction=step.AUX_REDUCTION, reduce="once", gather=gather,
-                gather_dtype=cfg.model.compute_dtype,
-            )  # fmt: skip
+                loss,
+                steps=k,
+                mesh=mesh,
+                batch_spec=step.BATCH_SPEC,
+                param_specs=specs,
+                has_aux=True,
+                weight_fn=lambda mb: mb["target_mask"].sum(),
+                aux_reduction=step.AUX_REDUCTION,
+                strategy=Strategy(
+                    reduce="once",
+                    gather=gather,
+                    gather_dtype=None if gather == "per_minibatch" else cfg.model.compute_dtype,
+                ),
+            )
             out[gather] = jax.jit(fn)(params, batch)
     per = out["per_minibatch"]
     for gather in modes:
@@ -143,10 +157,14 @@ def test_fuji_loss_gathered_once_equals_per_minibatch(dtype):
 
 
 def test_gather_needs_reduce_once_and_a_known_mode():
-    with pytest.raises(ValueError, match="gather='once' needs reduce=\"once\""):
-        accumulate_gradients(_loss, steps=2, gather="once")
-    with pytest.raises(ValueError, match=r"gather='twice' must be one of \('per_minibatch'"):
-        accumulate_gradients(_loss, steps=2, reduce="once", weight_fn=len, gather="twice")
+    with pytest.raises(ValueError, match="gather='once'\\) needs reduce=\"once\""):
+        accumulate_gradients(_loss, steps=2, strategy=Strategy(gather="once"))
+    with pytest.raises(
+        ValueError, match=r"gather='twice'\): gather must be one of \('per_minibatch'"
+    ):
+        accumulate_gradients(
+            _loss, steps=2, weight_fn=len, strategy=Strategy(reduce="once", gather="twice")
+        )
 
 
 def test_gather_once_bytes_by_hand():

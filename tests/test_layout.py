@@ -135,3 +135,14 @@ def test_accumulate_gradients_fits_on_a_screen():
 
     n = len(Path(accumulate.__file__).read_text().splitlines())
     assert n <= 300, f"core/accumulate.py has {n} lines (the core idea fits in 300)"
+
+
+@pytest.mark.parametrize("path", sorted((PKG / "core").glob("*.py")), ids=lambda p: p.name)
+def test_core_modules_have_no_fmt_marks_and_stay_under_400_lines(path):
+    """Issue 36: `ruff format` lays out every core file (no `# fmt:` marks), and a core module
+    reads as its name (under 400 lines)."""
+    text = path.read_text()
+    marks = [n for n, line in enumerate(text.splitlines(), 1) if "# fmt:" in line]
+    assert not marks, f"core/{path.name}: `# fmt:` marks at lines {marks}"
+    n = len(text.splitlines())
+    assert n < 400, f"core/{path.name} has {n} lines: split it by job"

@@ -88,7 +88,7 @@ def test_gather_options_enter_the_fit_with_their_gathered_weights(monkeypatch):
     with the budget between "once" and "once_unsharded" at k=2, only "once" is priced."""
     from trn_accum.analysis import recommend as rec
     from trn_accum.analysis import steptime
-    from trn_accum.core.sharding import resolve_axes
+    from trn_accum.core.mesh import resolve_axes
     from trn_accum.plan import perfmodel
 
     cfg = load_config(TINY, ["trainer.accum_steps=2", 'trainer.reduce="once"'])

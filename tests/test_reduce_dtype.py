@@ -23,7 +23,7 @@ from test_gather_once import SHAPE, SPECS, _loss, _mesh, _mlp
 from test_reduce_once import BATCH_SPEC, MESHES, PARAM_SPECS, mlp_problem
 from test_train import TINY, _losses
 
-from trn_accum import accumulate_gradients
+from trn_accum import Strategy, accumulate_gradients
 from trn_accum.analysis import collectives as coll
 from trn_accum.analysis import hlo
 
@@ -52,7 +52,11 @@ def _mlp_compiled(gather, reduce_dtype):
     """(pre-optimisation HLO text, compiled, (loss, grads)) of the MLP at k=2, reduce="once"."""
     mesh, _, loss_fn, params, batch, kw = _problem(gather)
     fn = accumulate_gradients(
-        loss_fn, steps=2, mesh=mesh, reduce="once", gather=gather, reduce_dtype=reduce_dtype, **kw
+        loss_fn,
+        steps=2,
+        mesh=mesh,
+        **kw,
+        strategy=Strategy(reduce="once", gather=gather, reduce_dtype=reduce_dtype),
     )
     with jax.set_mesh(mesh):
         lowered = jax.jit(fn).lower(params, batch)
@@ -171,10 +175,14 @@ def test_config_refuses_bf16_with_per_minibatch(capsys):
     assert load_config(TINY).trainer.reduce_dtype == "float32"
     with pytest.raises(ConfigError, match="trainer.reduce_dtype = 'float16': must be one of"):
         load_config(TINY, ["trainer.reduce_dtype=float16", "trainer.reduce=once"])
-    with pytest.raises(ValueError, match="reduce_dtype='bfloat16' needs reduce=\"once\""):
-        accumulate_gradients(_loss, steps=2, reduce_dtype="bfloat16")
-    with pytest.raises(ValueError, match=r"reduce_dtype='float16' must be one of \('float32'"):
-        accumulate_gradients(_loss, steps=2, reduce="once", weight_fn=len, reduce_dtype="float16")
+    with pytest.raises(ValueError, match="reduce_dtype='bfloat16'\\) needs reduce=\"once\""):
+        accumulate_gradients(_loss, steps=2, strategy=Strategy(reduce_dtype="bfloat16"))
+    with pytest.raises(
+        ValueError, match=r"reduce_dtype='float16'\): reduce_dtype must be one of \('float32'"
+    ):
+        accumulate_gradients(
+            _loss, steps=2, weight_fn=len, strategy=Strategy(reduce="once", reduce_dtype="float16")
+        )
 
 
 # ----------------------------------------------------------------------------- the trainer

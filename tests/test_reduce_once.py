@@ -20,9 +20,11 @@ from conftest import assert_close
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from trn_accum import accumulate_gradients
+from trn_accum import Strategy, accumulate_gradients
 from trn_accum.analysis import collectives as coll
-from trn_accum.core.sharding import build_mesh, constrain, leaf_specs
+from trn_accum.core.constraints import constrain
+from trn_accum.core.mesh import build_mesh
+from trn_accum.core.specs import leaf_specs
 
 BATCH_SPEC = P(("data", "fsdp"))
 MESHES = {"data4_fsdp2": {"data": 4, "fsdp": 2}, "data8": {"data": 8, "fsdp": 1}}
@@ -113,7 +115,7 @@ def mlp_compiled(mesh_name, k, reduce):
             batch_spec=BATCH_SPEC,
             param_specs=PARAM_SPECS,
             weight_fn=lambda mb: mb["mask"].sum(),
-            reduce=reduce,
+            strategy=Strategy(reduce=reduce),
         )
     return jax.jit(fn).lower(params, batch).compile(), params, batch
 
@@ -193,7 +195,7 @@ def test_fuji_loss_once_equals_per_minibatch_and_full_batch():
                 weight_fn=lambda mb: mb["target_mask"].sum(),
                 has_aux=True,
                 aux_reduction=step.AUX_REDUCTION,
-                reduce=reduce,
+                strategy=Strategy(reduce=reduce),
             )
         )
         with jax.set_mesh(mesh):

@@ -8,15 +8,10 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from trn_accum.analysis import collectives as coll
-from trn_accum.core.sharding import (
-    build_mesh,
-    leaf_specs,
-    merge_minibatches,
-    minibatch_specs,
-    nearest_valid_steps,
-    split_minibatches,
-    validate_batch,
-)
+from trn_accum.core.batch_rules import nearest_valid_steps, validate_batch
+from trn_accum.core.mesh import build_mesh
+from trn_accum.core.specs import leaf_specs
+from trn_accum.core.split import merge_minibatches, minibatch_specs, split_minibatches
 
 BATCH = ("data", "fsdp")
 

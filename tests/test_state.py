@@ -13,8 +13,8 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from trn_accum import accumulate_gradients
-from trn_accum.core.sharding import build_mesh
+from trn_accum import Strategy, accumulate_gradients
+from trn_accum.core.mesh import build_mesh
 
 D, B, K = 4, 32, 4
 MESH_AXES = {"data": 4, "fsdp": 2}
@@ -60,7 +60,8 @@ def sequential(loss_fn, params, batch, state, k=K, extra=()):
 @pytest.mark.parametrize("loop", ["scan", "unroll"])
 def test_batch_stats_threaded_in_order(on_mesh, loop):
     params, batch, stats = inputs()
-    opts = dict(steps=K, has_aux=True, state_argnum=2, loop=loop, aux_reduction={"rows": "sum"})
+    opts = dict(steps=K, has_aux=True, state_argnum=2, aux_reduction={"rows": "sum"})
+    opts["strategy"] = Strategy(loop=loop)
     if on_mesh:
         mesh = build_mesh(MESH_AXES)
         batch = jax.device_put(batch, NamedSharding(mesh, BATCH_SPEC))
@@ -127,11 +128,15 @@ def test_state_with_skip_nonfinite_keeps_the_state_before_a_dropped_minibatch(lo
     params, batch, stats = inputs()
     batch["t"][1::K] = np.nan
     fn = accumulate_gradients(
-        bn_loss, steps=K, has_aux=True, state_argnum=2, loop=loop, skip_nonfinite=True,
+        bn_loss,
+        steps=K,
+        has_aux=True,
+        state_argnum=2,
         aux_reduction={"rows": "sum"},
-    )  # fmt: skip
-    (loss, (_, new)), grads, dropped = jax.jit(fn)(params, batch, stats)
-    assert int(dropped) == 1 and int(new["count"]) == K - 1
+        strategy=Strategy(loop=loop, skip_nonfinite=True),
+    )
+    ((loss, (_, new)), grads), counts = jax.jit(fn.with_stats)(params, batch, stats)
+    assert int(counts.dropped) == 1 and int(new["count"]) == K - 1
     state, losses, gs = stats, [], []
     for i in (0, 2, 3):
         mb = {n: v[i::K] for n, v in batch.items()}
@@ -146,9 +151,15 @@ def test_state_errors():
     mesh = build_mesh(MESH_AXES)
     with pytest.raises(ValueError, match='state_argnum needs reduce="per_minibatch"'):
         accumulate_gradients(
-            bn_loss, steps=K, mesh=mesh, batch_spec=BATCH_SPEC, has_aux=True, state_argnum=2,
-            weight_fn=lambda mb: mb["x"].shape[0], reduce="once",
-        )  # fmt: skip
+            bn_loss,
+            steps=K,
+            mesh=mesh,
+            batch_spec=BATCH_SPEC,
+            has_aux=True,
+            state_argnum=2,
+            weight_fn=lambda mb: mb["x"].shape[0],
+            strategy=Strategy(reduce="once"),
+        )
     with pytest.raises(ValueError, match="state_argnum needs has_aux=True"):
         accumulate_gradients(bn_loss, steps=K, state_argnum=2)
     with pytest.raises(ValueError, match="also in rng_argnum"):

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 from trn_accum.analysis import recommend as rec
 from trn_accum.analysis import stepsummary, steptime
 from trn_accum.analysis.pricing import FEATURES
-from trn_accum.core.sharding import resolve_axes
+from trn_accum.core.mesh import resolve_axes
 from trn_accum.neuron import platform
 
 LINKS = {

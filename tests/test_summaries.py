@@ -12,8 +12,10 @@ from conftest import assert_close
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from trn_accum import WeightedScalar, accumulate_gradients
-from trn_accum.core.sharding import build_mesh, constrain, leaf_specs
+from trn_accum import Strategy, WeightedScalar, accumulate_gradients
+from trn_accum.core.constraints import constrain
+from trn_accum.core.mesh import build_mesh
+from trn_accum.core.specs import leaf_specs
 
 D, H, C, S, B, K = 8, 16, 4, 4, 32, 4  # features, hidden, classes, sequence, batch, steps
 AXES = {"data": 4, "fsdp": 2}  # reduce="once": manual over data (4), fsdp stays automatic
@@ -85,15 +87,17 @@ def place(params, batch):
     return mesh, params, jax.tree.unflatten(treedef, put)
 
 
-def run(on_mesh, loop, reduce, params, batch, **kw):
-    """jit(accumulate_gradients(...))(params, batch), placed on the mesh when `on_mesh`."""
+def run(on_mesh, loop, reduce, params, batch, skip_nonfinite=False):
+    """jit(grad_fn.with_stats)(params, batch) of accumulate_gradients(...): (value_and_grad's
+    output, AccumulationStats), placed on the mesh when `on_mesh`."""
     mesh = None
-    opts = dict(steps=K, weight_fn=weight_fn, has_aux=True, aux_reduction=REDUCTION, loop=loop)
+    opts = dict(steps=K, weight_fn=weight_fn, has_aux=True, aux_reduction=REDUCTION)
+    strategy = Strategy(loop=loop, reduce=reduce, skip_nonfinite=skip_nonfinite)
     if on_mesh:
         mesh, params, batch = place(params, batch)
         opts.update(mesh=mesh, batch_spec=BATCH_SPEC, param_specs=PARAM_SPECS)
-    fn = accumulate_gradients(make_loss(mesh), reduce=reduce, **opts, **kw)
-    return jax.jit(fn)(params, batch)
+    fn = accumulate_gradients(make_loss(mesh), **opts, strategy=strategy)
+    return jax.jit(fn.with_stats)(params, batch)
 
 
 @functools.cache
@@ -116,7 +120,7 @@ def test_weighted_scalar_equals_the_full_batch(on_mesh, loop, reduce):
     0 and 1 of them in the four minibatches) comes out as on the full batch, mean and weight,
     without naming it; the minibatch with no labelled row (mean 0/0 = NaN) does not leak."""
     params, batch = make_inputs()
-    (loss, aux), grads = run(on_mesh, loop, reduce, params, batch)
+    ((loss, aux), grads), _ = run(on_mesh, loop, reduce, params, batch)
     (ref_loss, ref_aux), ref_grads = full_batch()
     close((loss, grads), (ref_loss, ref_grads), scaled_atol=True)
     acc, ref_acc = aux["accuracy"], ref_aux["accuracy"]
@@ -138,7 +142,7 @@ def test_weighted_scalar_zero_total_weight_is_zero_without_nan(reduce):
     the accumulated WeightedScalar is mean 0, weight 0, in the dtypes of the loss's fields."""
     params, batch = make_inputs()
     batch["labelled"][:] = 0.0
-    (_, aux), grads = run(True, "scan", reduce, params, batch)
+    ((_, aux), grads), _ = run(True, "scan", reduce, params, batch)
     ref = jax.jit(jax.value_and_grad(make_loss(), has_aux=True))(params, batch)
     assert np.isnan(float(ref[0][1]["accuracy"].mean))
     acc = aux["accuracy"]
@@ -185,7 +189,8 @@ def test_skip_nonfinite_equals_the_remaining_rows(on_mesh, loop, reduce):
     params, batch = make_inputs()
     batch["x"][1::K, 0, 0] = np.nan
     batch["x"][3::K, 1, 2] = np.inf
-    (loss, aux), grads, dropped = run(on_mesh, loop, reduce, params, batch, skip_nonfinite=True)
+    ((loss, aux), grads), stats = run(on_mesh, loop, reduce, params, batch, skip_nonfinite=True)
+    dropped = stats.dropped
     rows = tuple(sorted([*range(0, B, K), *range(2, B, K)]))
     (ref_loss, ref_aux), ref_grads = full_batch(rows)
     assert int(dropped) == (2 * AXES["data"] if on_mesh and reduce == "once" else 2)
@@ -195,7 +200,7 @@ def test_skip_nonfinite_equals_the_remaining_rows(on_mesh, loop, reduce):
     assert float(aux["tokens"]) == float(batch["mask"][list(rows)].sum())
     close(np.asarray(aux["per_example"])[list(rows)], ref_aux["per_example"])
     # Control: without the option the step is NaN.
-    (loss, _), grads = run(on_mesh, loop, reduce, params, batch)
+    ((loss, _), grads), _ = run(on_mesh, loop, reduce, params, batch)
     assert np.isnan(float(loss)) and any(np.isnan(g).any() for g in jax.tree.leaves(grads))
 
 
@@ -208,17 +213,19 @@ def test_skip_nonfinite_gradient_alone_and_no_drop():
 
     x = jnp.arange(16.0)
     z = jnp.ones(16).at[1::K].set(0.0)  # minibatch 1: NaN gradient, finite loss
-    fn = jax.jit(accumulate_gradients(loss_fn, steps=K, skip_nonfinite=True))
+    fn = jax.jit(
+        accumulate_gradients(loss_fn, steps=K, strategy=Strategy(skip_nonfinite=True)).with_stats
+    )
     full = jax.value_and_grad(loss_fn)(3.0, {"x": x, "z": z})
     assert np.isfinite(float(full[0])) and np.isnan(float(full[1]))
-    loss, g, dropped = fn(3.0, {"x": x, "z": z})
+    (loss, g), stats = fn(3.0, {"x": x, "z": z})
     rest = np.setdiff1d(np.arange(16), np.arange(1, 16, K))
-    assert int(dropped) == 1
+    assert int(stats.dropped) == 1
     np.testing.assert_allclose([loss, g], [3.0 * x[rest].mean(), x[rest].mean()], rtol=1e-6)
     out = fn(3.0, {"x": x, "z": jnp.ones(16)})
     ref = jax.value_and_grad(loss_fn)(3.0, {"x": x, "z": jnp.ones(16)})
-    assert int(out[2]) == 0
-    close(out[:2], ref)
+    assert int(out[1].dropped) == 0
+    close(out[0], ref)
 
 
 @pytest.mark.parametrize("reduce", ["per_minibatch", "once"])
@@ -228,7 +235,8 @@ def test_skip_nonfinite_all_dropped_is_nan(reduce):
     the count is every loss_fn call."""
     params, batch = make_inputs()
     batch["x"][:, 0, 0] = np.nan
-    (loss, aux), grads, dropped = run(True, "scan", reduce, params, batch, skip_nonfinite=True)
-    assert int(dropped) == K * (AXES["data"] if reduce == "once" else 1)
+    ((loss, aux), grads), stats = run(True, "scan", reduce, params, batch, skip_nonfinite=True)
+    assert int(stats.calls) == K * (AXES["data"] if reduce == "once" else 1)
+    assert int(stats.dropped) == K * (AXES["data"] if reduce == "once" else 1)
     assert np.isnan(float(loss)) and all(np.isnan(g).all() for g in jax.tree.leaves(grads))
     assert float(aux["tokens"]) == 0.0 and float(aux["accuracy"].weight) == 0.0

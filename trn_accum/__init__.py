@@ -2,7 +2,7 @@
 
 The public API is the accumulation core (`trn_accum.core`):
 
-    from trn_accum import accumulate_gradients, build_mesh, WeightedScalar
+    from trn_accum import accumulate_gradients, build_mesh, Strategy, WeightedScalar
 
 The Fuji model (`trn_accum.model`), the trainer (`trn_accum.train`), the Neuron support
 (`trn_accum.neuron`), the compiled-program analysis (`trn_accum.analysis`), the launchers
@@ -10,6 +10,8 @@ The Fuji model (`trn_accum.model`), the trainer (`trn_accum.train`), the Neuron 
 """
 
 from trn_accum.core import (
+    AccumulationStats,
+    Strategy,
     WeightedScalar,
     accumulate_gradients,
     build_mesh,
@@ -20,6 +22,8 @@ from trn_accum.core import (
 )
 
 __all__ = [
+    "AccumulationStats",
+    "Strategy",
     "WeightedScalar",
     "accumulate_gradients",
     "build_mesh",

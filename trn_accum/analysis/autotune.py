@@ -24,7 +24,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from trn_accum.core.sharding import valid_steps
+from trn_accum.core.batch_rules import valid_steps
 from trn_accum.errors import UserError
 
 GIB = 1024**3
@@ -49,7 +49,7 @@ class AutotuneError(UserError):
 
 def candidate_steps(batch_rows: int, batch_shards: int) -> tuple[int, ...]:
     """Every k >= 1 with `batch_rows` divisible by k x `batch_shards`, ascending
-    (`trn_accum.core.sharding.valid_steps`); AutotuneError when there is none."""
+    (`trn_accum.core.batch_rules.valid_steps`); AutotuneError when there is none."""
     if batch_rows < 1 or batch_shards < 1 or batch_rows % batch_shards:
         raise AutotuneError(
             f"batch of {batch_rows} rows is not divisible by the {batch_shards} batch shards "

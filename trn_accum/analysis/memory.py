@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from trn_accum.core.sharding import drop_axes, spec_axes, valid_steps
+from trn_accum.core.batch_rules import valid_steps
+from trn_accum.core.specs import drop_axes, spec_axes
 
 GIB = 1024**3
 

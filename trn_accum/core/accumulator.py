@@ -20,8 +20,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from trn_accum.core import sharding as shd
 from trn_accum.core import summaries
+from trn_accum.core.constraints import constrain, constrain_leaves
+from trn_accum.core.specs import cut_spec
+from trn_accum.core.split import merge_minibatches
 
 __all__ = ["Accumulator", "Carry", "all_finite"]
 
@@ -64,7 +66,7 @@ def _acc_dtype(red: str, dtype: Any) -> Any:
 class Accumulator:
     """init / add / finish of the carry. `reductions` and `aux_shape` are trees like aux (None
     without aux; WeightedScalar nodes are leaves); `grad_shardings` is
-    `shd.leaf_shardings(param_specs, params, ...)`: the gradient sums are constrained to the
+    `leaf_shardings(param_specs, params, ...)`: the gradient sums are constrained to the
     parameters' shardings after every step. `count_dropped` (skip_nonfinite) carries the
     dropped count (float32, so that reduce="once" sums it in the one float32 psum)."""
 
@@ -75,7 +77,7 @@ class Accumulator:
         self.shapes = [] if aux_shape is None else _aux_leaves(aux_shape)
 
     def constrain_grads(self, grads: Any) -> Any:
-        return shd.constrain_leaves(grads, self.grad_shardings)
+        return constrain_leaves(grads, self.grad_shardings)
 
     def init(self, params: Any) -> Carry:
         zeros = jax.tree.map(lambda p: jnp.zeros(np.shape(p), jnp.float32), params)
@@ -133,8 +135,8 @@ class Accumulator:
         out, per_example = [], iter(stacked_aux or [])
         for red, s, acc in zip(self.reductions, self.shapes, carry.aux, strict=True):
             if red == "concat":
-                merged = shd.merge_minibatches(next(per_example)).astype(s.dtype)
-                out.append(shd.constrain(merged, mesh, shd.cut_spec(example_spec, merged.ndim)))
+                merged = merge_minibatches(next(per_example)).astype(s.dtype)
+                out.append(constrain(merged, mesh, cut_spec(example_spec, merged.ndim)))
             elif red == summaries.WEIGHTED:
                 out.append(summaries.finish(acc, s))
             elif red == "mean":

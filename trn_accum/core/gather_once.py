@@ -32,26 +32,21 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from trn_accum.core import sharding as shd
+from trn_accum.core.constraints import varying_axes
+from trn_accum.core.specs import spec_axes
 
 __all__ = [
-    "GATHERS", "Gather", "check_reduce", "gather", "plan", "scatter", "scatter_fn", "shard_spec",
+    "Gather",
+    "gather",
+    "plan",
+    "scatter",
+    "scatter_fn",
+    "shard_spec",
     "to_varying",
-]  # fmt: skip
-
-GATHERS = ("per_minibatch", "once", "once_unsharded")
+]
 
 #: One leaf's gathered dimensions: ((dim, (mesh axes...)), ...); () = nothing gathered.
 Gather = tuple[tuple[int, tuple[str, ...]], ...]
-
-
-def check_reduce(gather: str, reduce: str) -> None:
-    """ValueError for gather="once..." without reduce="once"."""
-    if gather != "per_minibatch" and reduce != "once":
-        raise ValueError(
-            f'gather={gather!r} needs reduce="once" (the minibatch loop manual over the batch '
-            'axes, where the weights are gathered before it): pass reduce="once"'
-        )
 
 
 def plan(
@@ -68,7 +63,7 @@ def plan(
     for ms in grad_shardings:
         dims = []
         for d, entry in enumerate(() if ms is None else ms[1]):
-            axes = tuple(a for a in shd.spec_axes(entry) if a in manual)
+            axes = tuple(a for a in spec_axes(entry) if a in manual)
             if axes:
                 dims.append((d, axes))
         out.append(tuple(dims))
@@ -86,7 +81,7 @@ def shard_spec(g: Gather, ndim: int) -> P:
 def to_varying(x: jax.Array, manual: Sequence[str]) -> jax.Array:
     """`x` marked varying over every axis of `manual` it is not varying over yet (per-device
     partial sums stay local until the one reduction after the loop)."""
-    have = shd._varying_axes(x)
+    have = varying_axes(x)
     missing = tuple(a for a in manual if a not in have)
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 

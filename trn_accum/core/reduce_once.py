@@ -32,13 +32,18 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from trn_accum.core import gather_once
-from trn_accum.core import sharding as shd
 from trn_accum.core.accumulator import Carry
+from trn_accum.core.constraints import manual_axes
+from trn_accum.core.specs import drop_axes, spec_axes
 
 __all__ = [
-    "check_reduce_dtype", "check_weight_fn", "manual_axes_for", "psum_carry", "psum_grads",
-    "psum_grads_narrow", "run_manual",
-]  # fmt: skip
+    "check_weight_fn",
+    "manual_axes_for",
+    "psum_carry",
+    "psum_grads",
+    "psum_grads_narrow",
+    "run_manual",
+]
 
 
 def check_weight_fn(weight_fn: Callable | None, reduce: str = "once") -> None:
@@ -48,17 +53,6 @@ def check_weight_fn(weight_fn: Callable | None, reduce: str = "once") -> None:
             'reduce="once" needs an explicit weight_fn, additive over rows, so that it gives '
             "the numbers of per_minibatch: e.g. weight_fn=lambda mb: mb['mask'].sum() for a "
             "masked mean, or lambda mb: mb['x'].shape[0] for a plain mean over rows"
-        )
-
-
-def check_reduce_dtype(reduce_dtype: str, reduce: str) -> None:
-    """ValueError for a narrow reduce_dtype without reduce="once" (per_minibatch's reductions
-    are XLA's, inside every minibatch: there is no one reduction to narrow)."""
-    if reduce_dtype != "float32" and reduce != "once":
-        raise ValueError(
-            f'reduce_dtype={reduce_dtype!r} needs reduce="once" (it narrows the one '
-            'cross-replica reduction after the loop): pass reduce="once" or '
-            'reduce_dtype="float32"'
         )
 
 
@@ -77,7 +71,7 @@ def manual_axes_for(
     or when no axis remains: then "once" is "per_minibatch"."""
     if mesh is None or not on:
         return ()
-    entries = {tuple(shd.spec_axes(s[0])) if len(s) else () for s in batch_specs}
+    entries = {tuple(spec_axes(s[0])) if len(s) else () for s in batch_specs}
     if len(entries) != 1:
         raise ValueError(
             f'reduce="once" needs every batch leaf sharded the same way on axis 0, got {entries}'
@@ -87,7 +81,7 @@ def manual_axes_for(
         for ms in grad_shardings or ()
         if ms is not None
         for entry in ms[1]
-        for axis in shd.spec_axes(entry)
+        for axis in spec_axes(entry)
     }
     manual = []
     for axis in next(iter(entries)):
@@ -122,9 +116,13 @@ def psum_grads(grads: Any, axes: tuple[str, ...], gathers=None, scatter: bool = 
 
 
 def psum_grads_narrow(
-    grads: Any, axes: tuple[str, ...], dtype: Any, grad_shardings=None, gathers=None,
+    grads: Any,
+    axes: tuple[str, ...],
+    dtype: Any,
+    grad_shardings=None,
+    gathers=None,
     scatter: bool = False,
-) -> Any:  # fmt: skip
+) -> Any:
     """`psum_grads` with every leaf cast to `dtype` before its collectives and back to its own
     dtype after them. The collectives run in a `shard_map` manual over the mesh's other
     (automatic) axes too, each leaf split as its `grad_shardings` spec says there (a gathered
@@ -137,7 +135,7 @@ def psum_grads_narrow(
         narrow = psum_grads(jax.tree.map(lambda x: x.astype(dtype), tree), axes, gathers, scatter)
         return jax.tree.map(lambda y, x: y.astype(x.dtype), narrow, tree)
 
-    manual = shd.manual_axes()
+    manual = manual_axes()
     auto = {a for a in jax.sharding.get_abstract_mesh().axis_names if a not in manual}
     if not auto:
         return reduce(grads)
@@ -145,7 +143,7 @@ def psum_grads_narrow(
     specs = []
     for i, x in enumerate(leaves):
         ms = grad_shardings[i] if grad_shardings is not None else None
-        entries = list(shd.drop_axes(None if ms is None else ms[1], manual))
+        entries = list(drop_axes(None if ms is None else ms[1], manual))
         for d, _ in gathers[i] if gathers is not None else ():
             entries[d] = None  # scattered over manual axes inside: auto axes kept off it
         specs.append(P(*entries[: jnp.ndim(x)]))
@@ -214,7 +212,7 @@ def run_manual(
     (`gather_once`) and `local` also gets the shards (`shards=`); its gradient leaves sharded
     the same way."""
     entry = manual[0] if len(manual) == 1 else tuple(manual)
-    inner_specs = [shd.drop_axes(s, manual) for s in batch_specs]
+    inner_specs = [drop_axes(s, manual) for s in batch_specs]
     b_leaves, b_def = jax.tree.flatten(batch)
     batch_in = jax.tree.unflatten(b_def, [P(entry)] * len(b_leaves))
     aux_out = (
@@ -242,9 +240,13 @@ def run_manual(
             for x, g in zip(shards, gathers, strict=True)
         ]
         return local(
-            jax.tree.unflatten(p_def, full), batch, args, inner_specs, manual,
+            jax.tree.unflatten(p_def, full),
+            batch,
+            args,
+            inner_specs,
+            manual,
             shards=jax.tree.unflatten(p_def, shards),
-        )  # fmt: skip
+        )
 
     try:
         return jax.shard_map(

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from trn_accum.core.sharding import varying_like
+from trn_accum.core.constraints import varying_like
 from trn_accum.neuron import kernels as nki_kernels  # the NKI adapter; no Neuron import
 
 # Finite, so that a query with no visible key yields a uniform (not NaN) row.

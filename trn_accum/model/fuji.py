@@ -42,7 +42,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from trn_accum.core.sharding import constrain
+from trn_accum.core.constraints import constrain
 from trn_accum.model.attention import IMPLS as ATTENTION_IMPLS
 from trn_accum.model.attention import attention
 from trn_accum.model.rope import ROPE_SCALINGS, ROPE_STYLES, apply_rope, inverse_frequencies
@@ -292,7 +292,7 @@ def shard_activation(x, dims: tuple[str | None, ...]):
     "heads" / "ffn" / "vocab" -> "model", None -> replicated. Only axes that exist in the current
     mesh, are Auto (not Manual inside a shard_map, not Explicit) and keep the dimension divisible
     are used, so the same model runs on any mesh and inside `shard_map(..., axis_names={"data"})`.
-    The constraint itself is `trn_accum.core.sharding.constrain` on the ambient mesh.
+    The constraint itself is `trn_accum.core.constraints.constrain` on the ambient mesh.
     """
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:

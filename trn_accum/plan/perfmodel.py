@@ -48,7 +48,7 @@ from trn_accum.analysis.memory import (
     state_shard_bytes,
 )
 from trn_accum.analysis.partitioned import compile_partitioned
-from trn_accum.core.sharding import resolve_axes
+from trn_accum.core.mesh import resolve_axes
 from trn_accum.errors import UserError
 from trn_accum.model import fuji
 from trn_accum.neuron import platform

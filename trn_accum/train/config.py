@@ -25,11 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trn_accum.core.accumulate import LOOPS as ACCUM_LOOPS
-from trn_accum.core.accumulate import REDUCE_DTYPES
-from trn_accum.core.accumulate import REDUCES as GRAD_REDUCTIONS
-from trn_accum.core.gather_once import GATHERS
-from trn_accum.core.sharding import check_axis_sizes
+from trn_accum.core.mesh import check_axis_sizes
+from trn_accum.core.strategy import GATHERS, REDUCE_DTYPES
+from trn_accum.core.strategy import LOOPS as ACCUM_LOOPS
+from trn_accum.core.strategy import REDUCES as GRAD_REDUCTIONS
 from trn_accum.model.fuji import RULES, ModelConfig
 from trn_accum.neuron.platform import DEVICE_BUDGET_GIB
 from trn_accum.train.config_file import EXTENDS, ConfigError, read_config_file

@@ -19,7 +19,7 @@ step is jitted with in/out shardings stated and the state donated, and traced un
 
 `build_step(cfg, mesh)` is the one place that turns a config into that program (`StepProgram`:
 optimizer, parameter and state shardings, abstract inputs, the jitted step); `make_mesh` and
-`check_batch` hold the trainer's mesh and batch rules (on top of `trn_accum.core.sharding`).
+`check_batch` hold the trainer's mesh and batch rules (on `trn_accum.core.mesh`, `.batch_rules`).
 """
 
 from __future__ import annotations
@@ -37,14 +37,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from trn_accum.core.accumulate import accumulate_gradients
-from trn_accum.core.sharding import (
-    build_mesh,
-    check_axis_sizes,
-    divisibility_error,
-    resolve_axes,
-    split_minibatches,
-    valid_steps,
-)
+from trn_accum.core.batch_rules import divisibility_error, valid_steps
+from trn_accum.core.mesh import build_mesh, check_axis_sizes, resolve_axes
+from trn_accum.core.split import split_minibatches
+from trn_accum.core.strategy import Strategy
 from trn_accum.errors import UserError
 from trn_accum.model import fuji
 from trn_accum.neuron import kernels
@@ -250,6 +246,21 @@ def _loss(cfg: Config):
     return loss
 
 
+def strategy(cfg: Config) -> Strategy:
+    """The accumulation Strategy of `cfg.trainer` (gradients returned in float32)."""
+    t = cfg.trainer
+    gathered = t.gather != "per_minibatch"  # the model casts every matrix to compute dtype itself
+    return Strategy(
+        loop=t.loop,
+        reduce=t.reduce,
+        gather=t.gather,
+        gather_dtype=cfg.model.compute_dtype if gathered else None,
+        reduce_dtype=t.reduce_dtype,  # the one cross-replica gradient reduction
+        skip_nonfinite=t.skip_nonfinite,  # all dropped: a NaN step, skipped
+        grad_dtype="float32",
+    )
+
+
 def make_train_step(cfg: Config, mesh, tx, lr_fn, specs, state_shardings):
     """jit(step)(state, batch) -> (state, metrics); state donated, shardings explicit."""
     k = cfg.trainer.accum_steps
@@ -262,19 +273,11 @@ def make_train_step(cfg: Config, mesh, tx, lr_fn, specs, state_shardings):
         weight_fn=lambda mb: mb["target_mask"].sum(),
         has_aux=True,
         aux_reduction=AUX_REDUCTION,
-        grad_dtype=jnp.float32,
-        loop=cfg.trainer.loop,
-        reduce=cfg.trainer.reduce,
-        gather=cfg.trainer.gather,  # the model casts every matrix to the compute dtype itself
-        gather_dtype=cfg.model.compute_dtype,
-        reduce_dtype=cfg.trainer.reduce_dtype,  # the one cross-replica gradient reduction
-        skip_nonfinite=cfg.trainer.skip_nonfinite,  # all dropped: a NaN step, skipped
+        strategy=strategy(cfg),
     )
 
     def step(state, batch):
-        out = grad_fn(state["params"], batch)
-        (loss, aux), grads = out[:2]
-        dropped = out[2] if cfg.trainer.skip_nonfinite else jnp.int32(0)
+        ((loss, aux), grads), stats = grad_fn.with_stats(state["params"], batch)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
         lr = lr_fn(state["step"] - state["skipped"])  # the schedule counts applied updates
@@ -293,7 +296,7 @@ def make_train_step(cfg: Config, mesh, tx, lr_fn, specs, state_shardings):
             "lr": jnp.asarray(lr, jnp.float32),
             "target_tokens": aux["num_target_tokens"],
             "skipped_steps": new["skipped"],
-            "dropped_minibatches": dropped,
+            "dropped_minibatches": stats.dropped,  # 0 without trainer.skip_nonfinite
         }
         return new, metrics
 
