@@ -54,3 +54,36 @@ def test_one_device_program_is_its_module_before_optimizations():
     assert text.startswith("HloModule") and "multiply" in text
     assert not collectives(text)
     assert float(compiled(jnp.ones((8, 8)))) == 128.0
+
+
+CACHED = """
+import jax, jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+from trn_accum.analysis.partitioned import compile_partitioned
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
+w = jax.ShapeDtypeStruct((64, 32), jnp.float32, sharding=NamedSharding(mesh, P("fsdp")))
+f = jax.jit(jax.grad(lambda w: jnp.sum(jnp.square(w @ w.T))))
+for _ in range(2):  # the second process finds the program in the cache
+    _, text = compile_partitioned(f.lower(w))
+    assert "num_partitions=8" in text.split(chr(10), 1)[0]
+print("ok", jax.config.jax_enable_compilation_cache)
+"""
+
+
+def test_a_persistent_compilation_cache_does_not_hide_the_partitioned_module(tmp_path):
+    """With `JAX_COMPILATION_CACHE_DIR` set (the trn2 environment sets it), a second process
+    compiling the same program still gets the module: the cache is off for that compile and
+    back on after it."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache")}
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    for _ in range(2):
+        out = subprocess.run(
+            [sys.executable, "-c", CACHED], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert out.returncode == 0 and out.stdout.split() == ["ok", "True"], out.stderr[-2000:]

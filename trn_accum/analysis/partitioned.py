@@ -10,13 +10,16 @@ SPMD partitioner, Shardy's and GSPMD's alike), before any backend pass.
 
 How: the one compile also dumps that pass's output (XLA's `xla_dump_to` and
 `xla_dump_hlo_pass_re` debug options, passed as `compile(compiler_options=...)`, so no
-environment variable is touched) into a temporary directory that is removed afterwards.
+environment variable is touched) into a temporary directory that is removed afterwards. A
+persistent compilation cache (`JAX_COMPILATION_CACHE_DIR`, which the trn2 environment sets) is
+off for that one compile: an executable loaded from the cache runs no pass and dumps nothing.
 
 Imports JAX only.
 """
 
 from __future__ import annotations
 
+import contextlib
 import pathlib
 import re
 import tempfile
@@ -38,7 +41,7 @@ def compile_partitioned(lowered: jax.stages.Lowered) -> tuple[jax.stages.Compile
     optimizations is the same thing. RuntimeError if a partitioned program left no such module
     (the pass was renamed: read `PASS`).
     """
-    with tempfile.TemporaryDirectory(prefix="trn-accum-hlo-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="trn-accum-hlo-") as tmp, _no_persistent_cache():
         compiled = lowered.compile(
             compiler_options={"xla_dump_to": tmp, "xla_dump_hlo_pass_re": PASS}
         )
@@ -53,6 +56,17 @@ def compile_partitioned(lowered: jax.stages.Lowered) -> tuple[jax.stages.Compile
             )
         # One module per compile; a later file (a recompile of the same program) has the same text.
         return compiled, found[-1].read_text()
+
+
+@contextlib.contextmanager
+def _no_persistent_cache():
+    """JAX's persistent compilation cache off inside, restored after (a hit compiles nothing)."""
+    was = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", was)
 
 
 def _partitions(module_text: str) -> int:
