@@ -72,7 +72,7 @@ def test_check_config_devices_option(capsys):
     assert cli.main(["check-config", "--devices", "16", "--", *args]) == 2
     assert "on 16 devices) = 64: valid accum_steps on this mesh: [1, 2]" in capsys.readouterr().err
     assert cli.main(["check-config", "--devices", "3", "--", *args]) == 2
-    assert "needs a multiple of 2 devices but 3 are available" in capsys.readouterr().err
+    assert "use 2 devices, which does not divide the 3 devices" in capsys.readouterr().err
     assert cli.main(["check-config", "--only-config-args", "--", *args]) == 0
     assert "not checked (pass --devices N)" in capsys.readouterr().out
 

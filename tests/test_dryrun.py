@@ -66,7 +66,7 @@ def test_reduced_depth_3b_dry_run_on_64_devices(mesh_sets, all_nodes):
         assert set(st["config"]["summary"]["by_link"]) == {"chip", "node", "efa"}
         assert st["config"]["summary"]["by_link"]["efa"]["wire_bytes"] > 0  # across nodes
         from trn_accum.analysis import recommend as rec
-        from trn_accum.plan.perfmodel import SCALE_NODES
+        from trn_accum.plan.search import SCALE_NODES
 
         assert st["recommendation"]["candidate"] in [c["candidate"] for c in st["candidates"]]
         assert {c["candidate"]["mesh"] for c in st["candidates"]} == {"hybrid-m2"}
@@ -202,7 +202,7 @@ def test_dry_run_reexecs_with_its_own_device_count(capfd):
     argv += ["--set", "mesh.fsdp=32", "--set", "trainer.accum_steps=1"]
     assert cli.main(argv) == 2
     err = capfd.readouterr().err
-    assert "needs a multiple of 32 devices but 16 are available" in err
+    assert "the other axes use 32 devices, which does not divide the 16 devices" in err
     assert "Traceback" not in err
 
 

@@ -130,6 +130,36 @@ def test_modules_stay_under_500_lines(path):
     assert n <= 500, f"{path.relative_to(PKG.parent)} has {n} lines: split it by concept"
 
 
+# issue 36: the helpers splitting core/ and model/ remove their `# fmt:` marks; drop a room
+# from here when its files hold none
+FMT_MARKS_PENDING = ("model",)
+
+
+@pytest.mark.parametrize("path", sorted(PKG.rglob("*.py")), ids=lambda p: str(p.relative_to(PKG)))
+def test_no_fmt_marks(path):
+    """`ruff format` lays out every file: no `# fmt: skip/off/on` holds a module in shape."""
+    if path.relative_to(PKG).parts[0] in FMT_MARKS_PENDING:
+        return
+    marks = [i for i, line in enumerate(path.read_text().splitlines(), 1) if "# fmt:" in line]
+    assert not marks, f"{path.relative_to(PKG.parent)} has `# fmt:` marks on lines {marks}"
+
+
+def test_no_private_jax_imports():
+    """Only JAX's public API: no `jax._src` import anywhere in the package (at any level)."""
+    found = []
+    for path in sorted(PKG.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            else:
+                continue
+            if any(n == "jax._src" or n.startswith("jax._src.") for n in names):
+                found.append(f"{path.relative_to(PKG.parent)}:{node.lineno}")
+    assert not found, f"imports of jax._src (use JAX's public API): {found}"
+
+
 def test_accumulate_gradients_fits_on_a_screen():
     from trn_accum.core import accumulate
 

@@ -83,13 +83,13 @@ def test_the_analytic_total_is_a_lower_bound_of_the_compiled_footprint():
 
 
 def test_gather_options_enter_the_fit_with_their_gathered_weights(monkeypatch):
-    """The search's third stage (`perfmodel._variant_rows`) admits a gather option only where
+    """The search's third stage (`search.variant_rows`) admits a gather option only where
     its analytic bytes, the candidate's plus `gather_once_bytes` of that mode, fit the budget:
     with the budget between "once" and "once_unsharded" at k=2, only "once" is priced."""
     from trn_accum.analysis import recommend as rec
     from trn_accum.analysis import steptime
     from trn_accum.core.mesh import resolve_axes
-    from trn_accum.plan import perfmodel
+    from trn_accum.plan import perfmodel, search
 
     cfg = load_config(TINY, ["trainer.accum_steps=2", 'trainer.reduce="once"'])
     meshes = {"hybrid": {"data": -1, "fsdp": 2, "model": 1}}
@@ -97,13 +97,13 @@ def test_gather_options_enter_the_fit_with_their_gathered_weights(monkeypatch):
     target = resolve_axes(meshes["hybrid"], 4 * 2)
 
     def k2_bytes(gather: str) -> int:
-        c = perfmodel._with(cfg, mesh=meshes["hybrid"], gather=gather)
+        c = perfmodel.with_choices(cfg, mesh=meshes["hybrid"], gather=gather)
         table = perfmodel.fitting_k(c, meshes["hybrid"], 2, layout)["table"]
         return next(r["bytes"] for r in table if r["k"] == 2)
 
     base, once, unsharded = (k2_bytes(g) for g in ("per_minibatch", "once", "once_unsharded"))
     for mode, got in (("once", once), ("once_unsharded", unsharded)):
-        c = perfmodel._with(cfg, mesh=meshes["hybrid"], gather=mode)
+        c = perfmodel.with_choices(cfg, mesh=meshes["hybrid"], gather=mode)
         tx, _ = step_lib.make_optimizer(c)
         abstract = step_lib.abstract_state(c, tx)
         specs = fuji.param_specs(c.model, c.mesh.rules, target)
@@ -114,10 +114,10 @@ def test_gather_options_enter_the_fit_with_their_gathered_weights(monkeypatch):
     assert base < once < unsharded
 
     priced = []
-    monkeypatch.setattr(perfmodel, "predict", lambda c, **kw: priced.append(c) or {"c": c})
+    monkeypatch.setattr(search, "predict", lambda c, **kw: priced.append(c) or {"c": c})
     fit_ks: dict = {}
     b = rec.Candidate(mesh="hybrid", nodes=2, k=2, reduce="once")
-    rows = perfmodel._variant_rows(
+    rows = search.variant_rows(
         cfg, b, "gather", ("once", "once_unsharded"), meshes=meshes, nodes=2, layout=layout,
         budget=(once + unsharded) // 2, fit_ks=fit_ks, kw={"layout": layout},
     )  # fmt: skip

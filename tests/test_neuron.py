@@ -286,17 +286,21 @@ def test_neuron_not_available_here():
 
 
 def test_detection_logic(monkeypatch):
-    monkeypatch.setattr(neuron, "_initialised_backends", lambda: None)
     monkeypatch.setattr(neuron, "neuron_plugin_installed", lambda: True)
     monkeypatch.setattr(neuron.glob, "glob", lambda pattern: ["/dev/neuron0"])
     monkeypatch.delenv("JAX_PLATFORMS", raising=False)
-    assert neuron.neuron_available() is True
-    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-    assert neuron.neuron_available() is False
-    monkeypatch.setenv("JAX_PLATFORMS", "neuron,cpu")
-    assert neuron.neuron_available() is True
-    monkeypatch.setattr(neuron, "_initialised_backends", lambda: {"cpu": object()})
-    assert neuron.neuron_available() is False
+    before = jax.config.jax_platforms
+    try:
+        jax.config.update("jax_platforms", None)
+        assert neuron.neuron_available() is True
+        monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+        assert neuron.neuron_available() is False
+        monkeypatch.setenv("JAX_PLATFORMS", "neuron,cpu")
+        assert neuron.neuron_available() is True
+        jax.config.update("jax_platforms", "cpu")  # the config wins over the environment
+        assert neuron.neuron_available() is False
+    finally:
+        jax.config.update("jax_platforms", before)
 
 
 def _fake_dist(root, name, version, entry_points=""):

@@ -12,8 +12,8 @@ import pytest
 from conftest import subprocess_env, user_error_line
 
 from trn_accum.errors import EXIT_USAGE
-from trn_accum.train.loop import MIN_STEPS_JUDGED, too_many_skipped
 from trn_accum.train.metrics import read_metrics
+from trn_accum.train.stop_rules import MIN_STEPS_JUDGED, too_many_skipped
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from multiprocess import cpu_env, run_processes
 
-from trn_accum.train import drift, rundir
+from trn_accum.train import claim_liveness, drift, rundir
 from trn_accum.train.config import Config, config_to_dict, load_config
 from trn_accum.train.rundir import Claim, RunDirError
 
@@ -103,7 +103,7 @@ def test_live_owner_refused_then_killed_owner_taken_over(tmp_path):
 
 
 def test_reused_pid_on_this_host_counts_as_gone(tmp_path):
-    me = rundir.machine()
+    me = claim_liveness.machine()
     claim = {"format": rundir.CLAIM_FORMAT, "token": "a" * 16, **me, "pid": os.getpid()}
     claim.update(start_ticks=-5, heartbeat=time.time(), since=time.time())  # not our start
     (tmp_path / rundir.CLAIM_FILE).write_text(json.dumps(claim))
@@ -124,7 +124,7 @@ def test_other_host_fresh_refused_stale_taken_over(tmp_path):
 def test_heartbeat_from_the_future_beyond_the_skew_bound_is_stale(tmp_path):
     """Clock skew within MAX_SKEW_S keeps a claim alive; a heartbeat far in the future (a clock
     far off, a torn write: the issue's -999999998203701504 s) is taken over, not refused forever."""
-    _foreign(tmp_path, heartbeat_age=-(rundir.MAX_SKEW_S - 5))
+    _foreign(tmp_path, heartbeat_age=-(claim_liveness.MAX_SKEW_S - 5))
     with pytest.raises(RunDirError, match="host other-host"):
         Claim(tmp_path, say=_quiet).acquire()
     _foreign(tmp_path, heartbeat_age=-1e18)
@@ -235,11 +235,11 @@ def test_take_over_leaves_a_claim_that_changed_meanwhile(tmp_path):
 
 
 def test_job_id_from_the_scheduler():
-    assert rundir.job_id({}) is None
-    assert rundir.job_id({"SLURM_JOB_ID": "12"}) == "slurm:12"
+    assert claim_liveness.job_id({}) is None
+    assert claim_liveness.job_id({"SLURM_JOB_ID": "12"}) == "slurm:12"
     k8s = {"JOB_COMPLETION_INDEX": "0", "TRN_ACCUM_JOB_NAME": "fuji"}
-    assert rundir.job_id(k8s) == "k8s:fuji"
-    assert rundir.job_id({"TRN_ACCUM_JOB_ID": "x", "SLURM_JOB_ID": "12"}) == "x"
+    assert claim_liveness.job_id(k8s) == "k8s:fuji"
+    assert claim_liveness.job_id({"TRN_ACCUM_JOB_ID": "x", "SLURM_JOB_ID": "12"}) == "x"
 
 
 _RANKS = textwrap.dedent(

@@ -213,7 +213,7 @@ def test_tiny_train_step_once_reduces_over_nodes_once():
 
     cfg = load_config("configs/fuji-tiny.toml", ["trainer.accum_steps=2"])
     layout = steptime.Layout(devices_per_node=4, devices_per_chip=2)
-    once = perfmodel.predict(perfmodel._with(cfg, reduce="once"), nodes=2, layout=layout)
+    once = perfmodel.predict(perfmodel.with_choices(cfg, reduce="once"), nodes=2, layout=layout)
     per_mb = perfmodel.predict(cfg, nodes=2, layout=layout)
     shape = {"data": 4, "fsdp": 2, "model": 1}
     params = jax.eval_shape(lambda: fuji.init_params(cfg.model, jax.random.key(0)))
@@ -221,9 +221,10 @@ def test_tiny_train_step_once_reduces_over_nodes_once():
     grad = tree_shard_bytes(f32, fuji.param_specs(cfg.model, "fsdp", shape), shape)
     assert once["target_mesh"] == shape
     assert once["by_link"]["efa"]["wire_bytes"] == 2 * 1 / 2 * (grad + 12) / 2
-    data_ar = [c for c in steptime.collective_costs(
-        perfmodel._compiled_module(perfmodel._with(cfg, reduce="once"), jax.devices()[:8], 32)[0],
-        shape, layout=layout) if c.axes == ("data",)]  # fmt: skip
+    once_cfg = perfmodel.with_choices(cfg, reduce="once")
+    module = perfmodel.Programs().module(once_cfg, jax.devices()[:8], 32)[0]
+    costs = steptime.collective_costs(module, shape, layout=layout)
+    data_ar = [c for c in costs if c.axes == ("data",)]
     # the partitioned module reduces leaf by leaf (no backend combiner): summed over them
     assert {c.levels for c in data_ar} == {(1, 2, 2)}
     assert sum(c.by_link["node"][0] for c in data_ar) == grad + 12.0
@@ -242,7 +243,7 @@ def test_explore_tiny_candidates_and_recommendation(monkeypatch):
     k up to k_limit, "once" dropped where there is no data axis, the recommendation at the
     config's node count with its per-node mesh shape, the weak-scaling table, and the dry-run
     lines naming them."""
-    from trn_accum.plan import perfmodel
+    from trn_accum.plan import search
     from trn_accum.train.config import load_config
 
     budget = 2 * 2**30  # the tiny config's trainer.memory_budget_gib
@@ -257,7 +258,7 @@ def test_explore_tiny_candidates_and_recommendation(monkeypatch):
                 "mesh_shape": dict(cfg.mesh.axes()), "trips": [],
                 "memory_bytes": budget + 1 if k == 1 else budget}  # fmt: skip
 
-    monkeypatch.setattr(perfmodel, "predict", fake)
+    monkeypatch.setattr(search, "predict", fake)
     cfg = load_config(
         "configs/fuji-tiny.toml", ["trainer.accum_steps=2", "trainer.memory_budget_gib=2"]
     )
@@ -266,7 +267,7 @@ def test_explore_tiny_candidates_and_recommendation(monkeypatch):
         "reference": {"data": 1, "fsdp": -1, "model": 1},
     }
     layout = steptime.Layout(devices_per_node=4, devices_per_chip=2)
-    st = perfmodel.explore(cfg, nodes=2, layout=layout, meshes=meshes, k_limit=2,
+    st = search.explore(cfg, nodes=2, layout=layout, meshes=meshes, k_limit=2,
                            scale_nodes=(1, 2, 4, 3))  # fmt: skip
     labels = [(rec.Candidate(**{k: v for k, v in c["candidate"].items() if k != "mesh_shape"})
                .label(), c["fits"]) for c in st["candidates"]]  # fmt: skip

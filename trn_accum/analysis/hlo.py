@@ -13,7 +13,7 @@ partitioning), so collectives are visible. What this module answers:
   `-start`/`-done` pairs counted once, each with its replica groups decoded from any of the
   printed forms and the bytes of its result.
 
-Replica-group forms handled (`parse_replica_groups`):
+Replica-group forms handled (`trn_accum.analysis.replica_groups.parse_replica_groups`):
 
 - explicit lists `{{0,1},{2,3}}`; `{}` = one group of every device;
 - iota lists `[2,4]<=[8]`, `[4,2]<=[2,4]T(1,0)` (groups × group size, from a transposed iota);
@@ -27,13 +27,12 @@ array (`mesh.devices.flat`); `group_axes` maps groups back to mesh axis names.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+from trn_accum.analysis.hlo_ir import Computation, Instruction
 from trn_accum.analysis.hlo_text import (
     ArrayType,
     match_close,
@@ -42,7 +41,6 @@ from trn_accum.analysis.hlo_text import (
     parse_attrs,
     parse_type,
     split_top_level,
-    unquote,
 )
 
 __all__ = [
@@ -54,102 +52,6 @@ __all__ = [
     "parse_hlo",
     "parse_type",
 ]
-
-# Attributes whose values name called computations.
-_CALL_ATTRS = (
-    "to_apply",
-    "body",
-    "condition",
-    "calls",
-    "branch_computations",
-    "true_computation",
-    "false_computation",
-    "called_computations",
-    "select",
-    "scatter",
-    "async_wrapped_computation",
-)
-
-
-# ----------------------------------------------------------------------------- IR
-
-
-@dataclasses.dataclass(frozen=True)
-class Instruction:
-    """One HLO instruction. `attrs` holds the raw attribute text by key (e.g.
-    attrs["replica_groups"], attrs["to_apply"], attrs["custom_call_target"])."""
-
-    name: str
-    opcode: str
-    computation: str
-    type_text: str
-    shapes: tuple[ArrayType, ...]
-    operands: tuple[str, ...]
-    operand_text: str
-    attrs: Mapping[str, str]
-    is_root: bool
-    line: str
-
-    @property
-    def dtypes(self) -> frozenset[str]:
-        return frozenset(a.dtype for a in self.shapes)
-
-    @property
-    def is_tuple(self) -> bool:
-        return self.type_text.lstrip().startswith("(")
-
-    @property
-    def result_bytes(self) -> int:
-        return sum(a.nbytes for a in self.shapes)
-
-    @property
-    def called_computations(self) -> tuple[str, ...]:
-        """Computations this instruction calls (to_apply, body, condition, calls, branches...)."""
-        names: list[str] = []
-        for key, value in self.attrs.items():
-            if key in _CALL_ATTRS:
-                names.extend(names_in(value, bare_ok=True))
-            elif key not in ("metadata", "backend_config", "frontend_attributes", "sharding"):
-                names.extend(names_in(value, bare_ok=False))
-        return tuple(dict.fromkeys(names))
-
-    def attr(self, key: str, default: str | None = None) -> str | None:
-        """An attribute's value with surrounding double quotes removed (e.g.
-        `custom_call_target`)."""
-        value = self.attrs.get(key)
-        if value is None:
-            return default
-        value = value.strip()
-        if len(value) >= 2 and value[0] == value[-1] == '"':
-            return value[1:-1]
-        return value
-
-    @property
-    def trip_count(self) -> int | None:
-        """Known trip count of a `while` (from its backend_config), else None."""
-        cfg = self.attrs.get("backend_config")
-        if self.opcode != "while" or not cfg:
-            return None
-        try:
-            data = json.loads(unquote(cfg))
-            return int(data["known_trip_count"]["n"])
-        except (ValueError, KeyError, TypeError):
-            m = re.search(r'known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)', cfg)
-            return int(m.group(1)) if m else None
-
-
-@dataclasses.dataclass(frozen=True)
-class Computation:
-    name: str
-    is_entry: bool
-    instructions: tuple[Instruction, ...]
-
-    @property
-    def root(self) -> Instruction | None:
-        for ins in self.instructions:
-            if ins.is_root:
-                return ins
-        return self.instructions[-1] if self.instructions else None
 
 
 class HloModule:

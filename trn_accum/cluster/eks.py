@@ -53,7 +53,7 @@ from typing import Any
 
 import yaml
 
-from trn_accum.cluster.distributed import DEFAULT_K8S_PORT, DEFAULT_NEURON_ROOT_PORT
+from trn_accum.cluster.launch_plan import DEFAULT_K8S_PORT, DEFAULT_NEURON_ROOT_PORT
 from trn_accum.errors import EXIT_PREEMPTED, EXIT_USAGE, UserError
 from trn_accum.neuron.platform import TRN2_CHIPS_PER_NODE, TRN2_INSTANCE_TYPE
 

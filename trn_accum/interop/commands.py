@@ -1,10 +1,10 @@
-"""The `import-hf`, `export-hf` and `eval` subcommands of `trn-accum` (registered by cli.py).
+"""The `import-hf`, `export-hf` and `eval` subcommands of `trn-accum` (registered by trn_accum.cli).
 
     trn-accum import-hf HF_DIR --config FILE [--set SECTION.KEY=VALUE ...] --run-dir DIR
     trn-accum export-hf RUN_DIR OUT_DIR [--dtype bfloat16|float32]
     trn-accum eval --run-dir DIR (--data TOKEN_DIR | --tokens FILE.npy) [--json]
 
-JAX and the converters are imported inside the commands, as cli.py does for its own.
+JAX and the converters are imported inside the commands, as trn_accum.cli does for its own.
 """
 
 from __future__ import annotations

@@ -31,10 +31,11 @@ from trn_accum.errors import EXIT_SAVE_FAILED
 from trn_accum.interop import hf_io, llama
 from trn_accum.interop.llama import InteropError
 from trn_accum.model import fuji
-from trn_accum.train import drift, loop, rundir
+from trn_accum.train import drift, rundir
 from trn_accum.train import step as train_step
 from trn_accum.train.checkpoint import STATE_ITEM, Checkpointer, make_writable_dir
 from trn_accum.train.config import Config, config_from_dict, load_config
+from trn_accum.train.trainer import Trainer
 
 
 def _leaf(tree: dict, path: str):
@@ -118,7 +119,7 @@ def import_hf(hf_dir: str, config_path: str, overrides: Sequence[str], run_dir: 
     cfg = load_config(config_path, overrides)
     files = check_checkpoint(hf_dir, cfg.model)
     _refuse_existing(run_dir)
-    trainer = loop.Trainer.build(cfg)  # the mesh, data and state layout the trainer uses
+    trainer = Trainer.build(cfg)  # the mesh, data and state layout the trainer uses
     shardings = trainer.state_shardings
     params = jax.tree_util.tree_map_with_path(
         lambda p, sharding: _place(read_param(files, _keypath(p), cfg.model), sharding),

@@ -24,8 +24,8 @@ import numpy as np
 
 from trn_accum.interop.convert import restore_params
 from trn_accum.interop.llama import InteropError
-from trn_accum.train import loop
 from trn_accum.train import step as train_step
+from trn_accum.train.trainer import Trainer
 
 
 def read_tokens(path: str, vocab_size: int) -> np.ndarray:
@@ -116,7 +116,7 @@ def eval_data(run_dir: str, data_dir: str) -> tuple[float, int]:
     prepared token directory, as the trainer evaluates it (`data.eval_batches` batches)."""
     cfg, _, params, _ = restore_params(run_dir)
     data = dataclasses.replace(cfg.data, kind="tokens", path=data_dir)
-    trainer = loop.Trainer.build(dataclasses.replace(cfg, data=data))
+    trainer = Trainer.build(dataclasses.replace(cfg, data=data))
     batches = (trainer.batch(i, "eval") for i in range(cfg.data.eval_batches))
     total, count = _sum_over(trainer.eval_fn, params, batches, trainer.mesh)
     return (total / count if count else 0.0), int(count)

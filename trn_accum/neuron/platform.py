@@ -107,30 +107,21 @@ def neuron_plugin_installed() -> bool:
     return not version.startswith("0.")
 
 
-def _initialised_backends() -> dict | None:
-    """JAX's already-initialised backends, or None if JAX has not initialised any yet."""
-    if "jax" not in sys.modules:
-        return None
-    try:
-        from jax._src import xla_bridge
-
-        backends = getattr(xla_bridge, "_backends", None)
-        return dict(backends) if backends else None
-    except Exception:
-        return None
+def _platforms_setting() -> str:
+    """The platforms JAX may start: `jax.config.jax_platforms` once JAX is imported (a value set
+    with `jax.config.update` wins), else ``JAX_PLATFORMS``; "" allows any."""
+    jax = sys.modules.get("jax")
+    setting = jax.config.jax_platforms if jax is not None else None
+    return setting if setting is not None else os.environ.get("JAX_PLATFORMS", "")
 
 
 def neuron_available() -> bool:
-    """Whether JAX can (or does) use the ``neuron`` platform in this process.
-
-    If JAX already initialised its backends, answer from them. Otherwise, without initialising
-    anything: the plugin is installed, Neuron devices exist (``/dev/neuron*``) and
-    ``JAX_PLATFORMS`` (if set) allows ``neuron``.
+    """Whether JAX can (or does) use the ``neuron`` platform in this process, without starting
+    any backend: the plugin is installed, Neuron devices exist (``/dev/neuron*``) and the
+    platform setting (`jax.config.jax_platforms`, else ``JAX_PLATFORMS``), if set, allows
+    ``neuron``.
     """
-    backends = _initialised_backends()
-    if backends is not None:
-        return "neuron" in backends
-    platforms = os.environ.get("JAX_PLATFORMS", "").strip()
+    platforms = _platforms_setting().strip()
     if platforms and "neuron" not in [p.strip() for p in platforms.split(",")]:
         return False
     return neuron_plugin_installed() and bool(glob.glob("/dev/neuron[0-9]*"))

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from trn_accum.cluster import rootport
-from trn_accum.cluster.distributed import derive_launch
+from trn_accum.cluster.launch_plan import derive_launch
 from trn_accum.model import attention as attn_lib
 from trn_accum.neuron import kernels, platform
 

@@ -16,7 +16,8 @@ from typing import Any
 
 from trn_accum.analysis import platforms, steptime
 from trn_accum.analysis import recommend as rec
-from trn_accum.plan.perfmodel import EMULATE_NODES, StepTimeError, _with, explore, fitting_k
+from trn_accum.plan.perfmodel import EMULATE_NODES, StepTimeError, fitting_k, with_choices
+from trn_accum.plan.search import explore
 from trn_accum.train.config import load_config
 
 
@@ -41,9 +42,15 @@ def run_in_subprocess(
         f"{flags} --xla_force_host_platform_device_count={n} "
         "--xla_cpu_enable_concurrency_optimized_scheduler=false"
     ).strip()
-    cmd = [sys.executable, "-m", "trn_accum.plan.perfmodel_cli", "--config", config_path,
-           "--nodes", str(nodes)] + [
-        a for o in overrides for a in ("--set", o)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "trn_accum.plan.perfmodel_cli",
+        "--config",
+        config_path,
+        "--nodes",
+        str(nodes),
+    ] + [a for o in overrides for a in ("--set", o)]
     if meshes:
         cmd += ["--meshes", ",".join(meshes)]
     cmd += ["--platform", plat.name, "--devices-per-node", str(per_node)]
@@ -70,7 +77,7 @@ def main(argv=None) -> int:
     nodes = cfg.mesh.nodes if a.nodes is None else a.nodes
     if not isinstance(cfg.trainer.accum_steps, int):
         fits = fitting_k(cfg, cfg.mesh.axes(), nodes, layout)["accum_steps"]
-        cfg = _with(cfg, k=fits or 1)
+        cfg = with_choices(cfg, k=fits or 1)
     meshes = None if a.meshes is None else {m: rec.MESHES[m] for m in a.meshes.split(",")}
     report = explore(cfg, nodes=nodes, layout=layout, meshes=meshes, plat=plat)
     print(json.dumps(report, default=str))

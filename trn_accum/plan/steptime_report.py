@@ -14,8 +14,11 @@ def format_lines(st: dict[str, Any]) -> list[str]:
 
     c, s = st["config"], st["config"]["summary"]
     depths = s["depths_compiled"]
-    how = f"compiled at {depths[0]} and {depths[1]} layers, extrapolated" if len(depths) == 2 else (
-        f"compiled at {depths[0]} layers")  # fmt: skip
+    how = (
+        f"compiled at {depths[0]} and {depths[1]} layers, extrapolated"
+        if len(depths) == 2
+        else (f"compiled at {depths[0]} layers")
+    )
     lines = [
         f"step-time model on {st.get('platform', 'trn2')} (collectives of the compiled step, "
         f"{how}; "

@@ -44,17 +44,21 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
-import sys
 from collections.abc import Mapping
 from typing import Any
 
 import jax
-import numpy as np
 
 from trn_accum.errors import EXIT_SAVE_FAILED, UserError
 from trn_accum.train.ckpt_dir import DELETED_SUFFIX, STEP_DIR, make_writable_dir, remove_leftovers
+from trn_accum.train.ckpt_errors import (
+    ORBAX_FILTER,
+    drop_closed_loop_errors,
+    failure_cause,
+    first_line,
+)
+from trn_accum.train.ckpt_shapes import abstract_state, leaf_path, shape_mismatches
 
 __all__ = ["CheckpointError", "Checkpointer", "abstract_state", "make_writable_dir"]
 
@@ -66,87 +70,6 @@ log = logging.getLogger(__name__)
 
 class CheckpointError(UserError):
     """A checkpoint problem the user must resolve; the message is one line naming the path."""
-
-
-class _DropOrbaxErrors(logging.Filter):
-    """Drops orbax's ERROR records (logged with tracebacks from its save threads): the
-    Checkpointer raises one CheckpointError for the same failure."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.levelno >= logging.ERROR and "orbax" in (record.pathname or ""))
-
-
-_ORBAX_FILTER = _DropOrbaxErrors()
-
-
-def _is_closed_loop_error(exc: BaseException, tb) -> bool:
-    """RuntimeError('Event loop is closed') raised in asyncio's `call_soon_threadsafe`: the
-    I/O threads of a failed background save finishing after orbax closed its event loop."""
-    if not (isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"):
-        return False
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    return tb is not None and tb.tb_frame.f_code.co_name == "_check_closed"
-
-
-class _DropUnretrievedFutures(logging.Filter):
-    """asyncio's 'Future exception was never retrieved' records: the other writes of a save
-    that already failed, which nobody awaits any more."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        first = str(record.msg).split("\n", 1)[0]  # "<Future class> exception was never ..."
-        return not first.endswith("exception was never retrieved")
-
-
-def _drop_closed_loop_errors() -> None:
-    """For the process's lifetime (installed once), drop what the pending writes of a failed
-    save print after orbax has given up on them: late
-    'Event loop is closed' errors (through sys.unraisablehook, from the I/O library's threads)
-    and asyncio's unretrieved-future errors. The CheckpointError has said what happened;
-    anything else prints as before."""
-    previous = sys.unraisablehook
-    if getattr(previous, "_trn_accum_drops_closed_loop", False):
-        return
-    logging.getLogger("asyncio").addFilter(_DropUnretrievedFutures())
-
-    def hook(unraisable):
-        if not _is_closed_loop_error(unraisable.exc_value, unraisable.exc_traceback):
-            previous(unraisable)
-
-    hook._trn_accum_drops_closed_loop = True
-    sys.unraisablehook = hook
-
-
-def _cause(e: BaseException) -> str:
-    """The OS-level cause of a failed write ("No space left on device"), else its first line."""
-    code = getattr(e, "errno", None) if isinstance(e, OSError) else None
-    if code is None:
-        m = re.search(r"os_error_code='?(\d+)", str(e))
-        code = int(m.group(1)) if m else None
-    return os.strerror(code) if code else _first_line(e)
-
-
-def _first_line(e: BaseException, limit: int = 200) -> str:
-    text = str(e).strip().splitlines()
-    text = text[0] if text else ""
-    text = text[:limit]
-    return f"{type(e).__name__}: {text}" if text else type(e).__name__
-
-
-def abstract_state(tree: Any) -> Any:
-    """``ShapeDtypeStruct`` (with sharding where the leaf has one) for every array leaf of `tree`.
-
-    Useful to restore into the layout of an existing state; for another mesh build the target
-    from ``jax.eval_shape`` and the new shardings instead.
-    """
-
-    def leaf(x):
-        if isinstance(x, jax.ShapeDtypeStruct):
-            return x
-        sharding = getattr(x, "sharding", None)
-        return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
-
-    return jax.tree.map(leaf, tree)
 
 
 class Checkpointer:
@@ -205,8 +128,8 @@ class Checkpointer:
         )
         self._warned: set[str] = set()
         self._pending: int | None = None  # the step of the newest save started
-        logging.getLogger("absl").addFilter(_ORBAX_FILTER)
-        _drop_closed_loop_errors()
+        logging.getLogger("absl").addFilter(ORBAX_FILTER)
+        drop_closed_loop_errors()
 
     # ------------------------------------------------------------------ listing
 
@@ -312,7 +235,7 @@ class Checkpointer:
             except OSError as e:
                 log.warning(
                     f"old checkpoint step {step} at {e.filename or path} could not be deleted "
-                    f"({_cause(e)}): it stays on disk (keep={self.keep}); training goes on"
+                    f"({failure_cause(e)}): it stays on disk (keep={self.keep}); training goes on"
                 )
 
     def _failure(self, step: int | None, e: BaseException) -> CheckpointError:
@@ -327,8 +250,8 @@ class Checkpointer:
             else "there is no earlier checkpoint"
         )
         return CheckpointError(
-            f"checkpoint {path} could not be written ({_cause(e)}); {kept}: free space or fix "
-            f"the storage (quota, permissions, mount), then run the same command again to "
+            f"checkpoint {path} could not be written ({failure_cause(e)}); {kept}: free space or "
+            f"fix the storage (quota, permissions, mount), then run the same command again to "
             f"resume",
             exit_code=EXIT_SAVE_FAILED,
         )
@@ -382,7 +305,7 @@ class Checkpointer:
                 pass  # a failed save was reported (or is being) by the caller
             self._manager.close()
         finally:
-            logging.getLogger("absl").removeFilter(_ORBAX_FILTER)
+            logging.getLogger("absl").removeFilter(ORBAX_FILTER)
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -423,7 +346,7 @@ class Checkpointer:
             state = restored[STATE_ITEM]
         except Exception as e:  # orbax/tensorstore raise many types for unreadable data
             raise CheckpointError(
-                f"checkpoint {path} cannot be read ({_first_line(e)}): its files are damaged; "
+                f"checkpoint {path} cannot be read ({first_line(e)}): its files are damaged; "
                 f"move it aside to resume from the previous one"
             ) from None
         return state, self.read_metadata(step)
@@ -433,21 +356,10 @@ class Checkpointer:
         that are missing), before any array is read. Unreadable metadata: left to restore."""
         try:
             stored = self._manager.item_metadata(step)[STATE_ITEM]
-            have = {_path(p): tuple(m.shape) for p, m in jax.tree.leaves_with_path(stored)}
+            have = {leaf_path(p): tuple(m.shape) for p, m in jax.tree.leaves_with_path(stored)}
         except Exception:
             return
-        if not have:
-            return
-        want = {
-            _path(p): None if _is_key(x) else tuple(np.shape(x))  # keys are stored as key data
-            for p, x in jax.tree.leaves_with_path(abstract_target)
-        }
-        bad = [
-            f"{k} {have[k] if k in have else 'missing'} (needs {shape})"
-            for k, shape in want.items()
-            if k not in have or (shape is not None and have[k] != shape)
-        ]
-        bad += [f"{k} {have[k]} (not in the target)" for k in have if k not in want]
+        bad = shape_mismatches(have, abstract_target) if have else []
         if bad:
             more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
             raise CheckpointError(
@@ -471,25 +383,7 @@ class Checkpointer:
             )
         except Exception as e:
             raise CheckpointError(
-                f"checkpoint metadata {path} cannot be read ({_first_line(e)}): move the "
+                f"checkpoint metadata {path} cannot be read ({first_line(e)}): move the "
                 f"checkpoint aside to resume from the previous one"
             ) from None
         return restored[META_ITEM]
-
-
-def _is_key(x) -> bool:
-    dtype = getattr(x, "dtype", None)
-    return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
-
-
-def _path(keys) -> str:
-    """'opt_state/1/mu/embed' for a key path (dict keys, indices and attributes alike)."""
-    parts = []
-    for k in keys:
-        for attr in ("key", "idx", "name"):
-            if hasattr(k, attr):
-                parts.append(str(getattr(k, attr)))
-                break
-        else:
-            parts.append(str(k))
-    return "/".join(parts)

@@ -25,22 +25,29 @@ size), so a resumed run sees the batches it would have seen and every process bu
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
 
-from trn_accum.train.tokens import (  # noqa: F401  (DataError, read_meta: this module's API too)
-    DataError,
-    TokenFile,
-    check_ids,
-    check_vocab,
-    fingerprint,
-    read_meta,
-)
+from trn_accum.train.batches import assemble, check_common, check_rows, check_split
+from trn_accum.train.token_dataset import TokenDataset
+from trn_accum.train.tokens import DataError, check_vocab, read_meta
 
-_SPLITS = {"train": 0, "eval": 1}
+__all__ = [  # DataError, check_vocab and read_meta (trn_accum.train.tokens): this API too
+    "BATCH_KEYS",
+    "DATA_KINDS",
+    "DataError",
+    "Dataset",
+    "SyntheticDataset",
+    "TokenDataset",
+    "check_vocab",
+    "global_batch",
+    "make_dataset",
+    "process_rows",
+    "read_meta",
+]
+
 BATCH_KEYS = ("input_ids", "target_labels", "target_mask")
 DATA_KINDS = ("synthetic", "tokens")
 
@@ -55,49 +62,6 @@ class Dataset(Protocol):
     def rows(
         self, step: int, row_indices: np.ndarray, split: str = "train"
     ) -> dict[str, np.ndarray]: ...
-
-
-# --------------------------------------------------------------------------- helpers
-
-
-def _check_common(seq_len: int, batch_size: int, max_seq_len: int | None) -> None:
-    if int(seq_len) < 1:
-        raise DataError(f"seq_len={seq_len} must be >= 1: set a positive sequence length")
-    if max_seq_len is not None and int(seq_len) > int(max_seq_len):
-        raise DataError(
-            f"seq_len={seq_len} is longer than the model's max_seq_len={max_seq_len}: "
-            f"lower the sequence length or raise the model's maximum"
-        )
-    if int(batch_size) < 1:
-        raise DataError(f"batch_size={batch_size} must be >= 1: set a positive global batch")
-
-
-def _check_split(split: str) -> int:
-    if split not in _SPLITS:
-        raise DataError(f"split={split!r} is not one of {sorted(_SPLITS)}: use 'train' or 'eval'")
-    return _SPLITS[split]
-
-
-def _check_rows(row_indices: np.ndarray, batch_size: int) -> np.ndarray:
-    rows = np.asarray(row_indices, dtype=np.int64).reshape(-1)
-    if rows.size and (rows.min() < 0 or rows.max() >= batch_size):
-        raise DataError(
-            f"row indices {rows.min()}..{rows.max()} are outside the global batch "
-            f"[0, {batch_size}): pass rows of a batch of {batch_size}"
-        )
-    return rows
-
-
-def _assemble(windows: np.ndarray, lengths: np.ndarray) -> dict[str, np.ndarray]:
-    """[n, S+1] token windows with `lengths` real tokens each -> a batch dict of [n, S]."""
-    seq_len = windows.shape[1] - 1
-    positions = np.arange(seq_len)[None, :]
-    mask = (positions + 1 < lengths[:, None]).astype(np.float32)
-    return {
-        "input_ids": np.ascontiguousarray(windows[:, :-1], dtype=np.int32),
-        "target_labels": np.ascontiguousarray(windows[:, 1:], dtype=np.int32),
-        "target_mask": mask,
-    }
 
 
 # --------------------------------------------------------------------------- synthetic
@@ -129,7 +93,7 @@ class SyntheticDataset:
         min_len_fraction: float = 0.25,
         max_seq_len: int | None = None,
     ):
-        _check_common(seq_len, batch_size, max_seq_len)
+        check_common(seq_len, batch_size, max_seq_len)
         if int(vocab_size) < 2:
             raise DataError(
                 f"vocab_size={vocab_size} is too small for synthetic data (needs >= 2: "
@@ -160,8 +124,8 @@ class SyntheticDataset:
         self, step: int, row_indices: np.ndarray, split: str = "train"
     ) -> dict[str, np.ndarray]:
         """The given rows (indices into the global batch of `step`) as int32/float32 [n, S]."""
-        split_id = _check_split(split)
-        rows = _check_rows(row_indices, self.batch_size)
+        split_id = check_split(split)
+        rows = check_rows(row_indices, self.batch_size)
         n, s1 = rows.size, self.seq_len + 1
         uniforms = np.empty((n, s1), np.float64)
         lengths = np.full(n, s1, np.int64)
@@ -180,157 +144,7 @@ class SyntheticDataset:
             windows[:, t] = state
         windows += 1  # id 0 is padding
         windows[np.arange(s1)[None, :] >= lengths[:, None]] = self.pad_id
-        return _assemble(windows, lengths)
-
-
-def _windows(offsets: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Cut documents into windows of seq_len+1 tokens sharing one token between neighbours.
-
-    Returns (start, length, document) per window, int64. A document of n tokens has n-1
-    targets and ceil((n-1)/seq_len) windows; documents of fewer than 2 tokens have none.
-    """
-    starts_doc = offsets[:-1].astype(np.int64)
-    doc_len = np.diff(offsets).astype(np.int64)
-    n_win = np.where(doc_len >= 2, -(-(doc_len - 1) // seq_len), 0)
-    total = int(n_win.sum())
-    doc = np.repeat(np.arange(doc_len.size, dtype=np.int64), n_win)
-    first = np.cumsum(n_win) - n_win
-    k = np.arange(total, dtype=np.int64) - np.repeat(first, n_win)
-    start = starts_doc[doc] + k * seq_len
-    length = np.minimum(seq_len + 1, starts_doc[doc] + doc_len[doc] - start)
-    return start, length, doc
-
-
-class TokenDataset:
-    """Windows of a prepared token file (`trn_accum.train.tokens`), read with ``os.pread``;
-    every id of a host batch is checked against the model's vocabulary (`check_ids`).
-
-    Train rows: sample ``i = step * batch_size + row`` of an endless stream that visits every
-    train window once per epoch, in an order permuted with ``(seed, epoch)``. Eval rows: the
-    held-out windows in order, ``(step * batch_size + row) mod n_eval``. Held out: a seeded
-    choice of ``max(1, round(eval_fraction * documents))`` documents when there are at least two,
-    else the last windows of the only document, else (a single window) the train window itself.
-    """
-
-    def __init__(
-        self,
-        path: str,
-        *,
-        seq_len: int,
-        batch_size: int,
-        seed: int = 0,
-        eval_fraction: float = 0.01,
-        model_vocab: int | None = None,
-        max_seq_len: int | None = None,
-    ):
-        _check_common(seq_len, batch_size, max_seq_len)
-        meta = read_meta(path)
-        if model_vocab is not None:
-            check_vocab(meta, model_vocab)
-        self.meta = meta
-        self.seq_len = int(seq_len)
-        self.batch_size = int(batch_size)
-        self.seed = int(seed)
-        self.vocab_size = int(meta["vocab_size"])
-        self.pad_id = int(meta.get("pad_id", meta["eos_id"]))
-        n_tok, n_doc = int(meta["num_tokens"]), int(meta["num_documents"])
-        self.model_vocab = int(model_vocab) if model_vocab is not None else self.vocab_size
-        self.tokens = TokenFile(meta["tokens_path"], meta["dtype"], n_tok)
-        try:
-            # read whole (8 bytes a document): no memory map to fault if the file changes
-            offsets = np.load(meta["offsets_path"], allow_pickle=False)
-        except (OSError, ValueError) as e:
-            raise DataError(
-                f"offsets file {meta['offsets_path']} is not a readable .npy array "
-                f"({type(e).__name__}): re-run `trn-accum prepare-data`"
-            ) from None
-        offsets = np.asarray(offsets, dtype=np.int64)
-        if (
-            offsets.ndim != 1
-            or offsets.size != n_doc + 1
-            or offsets[0] != 0
-            or offsets[-1] != n_tok
-            or np.any(np.diff(offsets) < 0)
-        ):
-            raise DataError(
-                f"offsets file {meta['offsets_path']} does not describe {n_doc} documents of "
-                f"{n_tok} tokens (needs {n_doc + 1} non-decreasing offsets from 0 to {n_tok}): "
-                f"re-run `trn-accum prepare-data`"
-            )
-        start, length, doc = _windows(offsets, self.seq_len)
-        if start.size == 0:
-            raise DataError(
-                f"token data {meta['tokens_path']} has no document of 2 or more tokens, so no "
-                f"training window: prepare it from non-empty text files"
-            )
-        eval_mask = self._held_out(doc, n_doc, float(eval_fraction))
-        self._train = (start[~eval_mask], length[~eval_mask])
-        self._eval = (start[eval_mask], length[eval_mask]) if eval_mask.any() else self._train
-        self.num_train_windows = int(self._train[0].size)
-        self.num_eval_windows = int(self._eval[0].size)
-        self.eval_disjoint = bool(eval_mask.any())
-        self._perm_cache: dict[int, np.ndarray] = {}
-
-    @functools.cached_property
-    def fingerprint(self) -> str:
-        """The data's identity in the run record (`trn_accum.train.tokens.fingerprint`)."""
-        return fingerprint(self.meta)
-
-    def _held_out(self, doc: np.ndarray, n_doc: int, fraction: float) -> np.ndarray:
-        n_win = doc.size
-        if fraction <= 0 or n_win < 2:
-            return np.zeros(n_win, bool)
-        docs_with_windows = np.unique(doc)
-        if docs_with_windows.size >= 2:
-            k = min(docs_with_windows.size - 1, max(1, round(fraction * docs_with_windows.size)))
-            rng = np.random.default_rng([self.seed, 0xE7A1])
-            held = rng.choice(docs_with_windows, size=k, replace=False)
-            return np.isin(doc, held)
-        k = min(n_win - 1, max(1, round(fraction * n_win)))
-        mask = np.zeros(n_win, bool)
-        mask[n_win - k :] = True
-        return mask
-
-    def _permutation(self, epoch: int) -> np.ndarray:
-        perm = self._perm_cache.get(epoch)
-        if perm is None:
-            rng = np.random.default_rng([self.seed, 0x7EA1, epoch])
-            perm = rng.permutation(self.num_train_windows)
-            if len(self._perm_cache) >= 2:
-                self._perm_cache.pop(min(self._perm_cache))
-            self._perm_cache[epoch] = perm
-        return perm
-
-    def window_ids(self, step: int, row_indices: np.ndarray, split: str = "train") -> np.ndarray:
-        """Indices (into the split's window list) of the given rows of `step`."""
-        split_id = _check_split(split)
-        rows = _check_rows(row_indices, self.batch_size)
-        sample = int(step) * self.batch_size + rows
-        if split_id == _SPLITS["eval"]:
-            return sample % self.num_eval_windows
-        n = self.num_train_windows
-        out = np.empty(rows.size, np.int64)
-        epochs = sample // n
-        for e in np.unique(epochs):
-            sel = epochs == e
-            out[sel] = self._permutation(int(e))[sample[sel] % n]
-        return out
-
-    def rows(
-        self, step: int, row_indices: np.ndarray, split: str = "train"
-    ) -> dict[str, np.ndarray]:
-        """The given rows (indices into the global batch of `step`) as int32/float32 [n, S]."""
-        rows = _check_rows(row_indices, self.batch_size)
-        ids = self.window_ids(step, rows, split)
-        starts, lengths = self._eval if split == "eval" else self._train
-        s1 = self.seq_len + 1
-        windows = np.full((ids.size, s1), self.pad_id, np.int64)
-        for j, w in enumerate(ids):
-            a, n = int(starts[w]), int(lengths[w])
-            windows[j, :n] = self.tokens.read(a, n)
-        where = f"train step {step + 1}" if split == "train" else f"eval batch {step}"
-        check_ids(windows, self.model_vocab, rows=rows, where=where)
-        return _assemble(windows, lengths[ids])
+        return assemble(windows, lengths)
 
 
 def make_dataset(

@@ -18,16 +18,15 @@ step is jitted with in/out shardings stated and the state donated, and traced un
 `jax.set_mesh(mesh)` so the model's activation constraints apply.
 
 `build_step(cfg, mesh)` is the one place that turns a config into that program (`StepProgram`:
-optimizer, parameter and state shardings, abstract inputs, the jitted step); `make_mesh` and
-`check_batch` hold the trainer's mesh and batch rules (on `trn_accum.core.mesh`, `.batch_rules`).
+optimizer, parameter and state shardings, abstract inputs, the jitted step). The trainer's
+mesh and batch rules live in `trn_accum.train.mesh_rules` (re-exported here), the FLOP count
+in `trn_accum.train.flops`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -37,129 +36,43 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from trn_accum.core.accumulate import accumulate_gradients
-from trn_accum.core.batch_rules import divisibility_error, valid_steps
-from trn_accum.core.mesh import build_mesh, check_axis_sizes, resolve_axes
 from trn_accum.core.split import split_minibatches
 from trn_accum.core.strategy import Strategy
-from trn_accum.errors import UserError
 from trn_accum.model import fuji
-from trn_accum.neuron import kernels
 from trn_accum.train import optim
 from trn_accum.train.config import Config
+from trn_accum.train.mesh_rules import (
+    BATCH_AXES,
+    TrainError,
+    batch_shards,
+    check_attention,
+    check_batch,
+    check_split,
+    check_start,
+    make_mesh,
+    mesh_shape,
+)
 
-BATCH_AXES = ("data", "fsdp")
+__all__ = [  # the mesh rules are re-exported: callers say step.make_mesh, step.TrainError
+    "BATCH_AXES",
+    "BATCH_SPEC",
+    "StepProgram",
+    "TrainError",
+    "batch_shards",
+    "batch_sharding",
+    "build_step",
+    "check_attention",
+    "check_batch",
+    "check_split",
+    "check_start",
+    "make_eval_step",
+    "make_mesh",
+    "mesh_shape",
+]
+
 FSDP_AXES = ("fsdp",)  # the batch axis the parameters are also sharded over (trainer.gather)
 BATCH_SPEC = P(BATCH_AXES)  # leaves [B, S]: rows over the batch axes, sequence replicated
 AUX_REDUCTION = {"per_example_loss": "concat", "num_target_tokens": "sum"}
-
-
-class TrainError(UserError):
-    """A user-caused trainer problem (mesh vs devices, batch vs shards, run dir): one line."""
-
-
-# ---------------------------------------------------------------------------------------------
-# Mesh and batch rules
-
-
-def mesh_shape(cfg: Config, devices: int, platform: str = "") -> dict[str, int]:
-    """The axis sizes of `cfg.mesh` over `devices` devices (the -1 resolved); TrainError if they
-    do not fit. `platform`: the devices' platform ("cpu" hints at emulating more)."""
-    axes = check_axis_sizes(cfg.mesh.axes())
-    fixed = math.prod(s for s in axes.values() if s != -1)
-    more = "run on more devices"
-    if platform == "cpu":
-        more = f"emulate them: XLA_FLAGS=--xla_force_host_platform_device_count={fixed}"
-    if fixed > devices or devices % fixed:
-        raise TrainError(
-            f"mesh {axes} needs a multiple of {fixed} devices but {devices} are available: "
-            f"lower mesh sizes (e.g. --set mesh.fsdp=...) or {more}"
-        )
-    if -1 not in axes.values() and fixed != devices:
-        raise TrainError(
-            f"mesh {axes} uses {fixed} devices but {devices} are available: set one axis "
-            f"to -1 (all remaining devices) or match the device count"
-        )
-    try:
-        return resolve_axes(axes, devices)
-    except ValueError as e:
-        raise TrainError(f"mesh {axes} on {devices} devices: {e}") from None
-
-
-def make_mesh(cfg: Config, devices: Sequence[Any] | None = None) -> jax.sharding.Mesh:
-    """The mesh of `cfg.mesh` over `devices` (default: all). TrainError if they do not fit."""
-    devices = list(jax.devices() if devices is None else devices)
-    mesh_shape(cfg, len(devices), devices[0].platform if devices else "")
-    try:
-        return build_mesh(cfg.mesh.axes(), devices)
-    except ValueError as e:
-        raise TrainError(f"mesh {cfg.mesh.axes()} on {len(devices)} devices: {e}") from None
-
-
-def batch_shards(mesh: jax.sharding.Mesh) -> int:
-    """Shards of the batch axis: the mesh's data x fsdp."""
-    return mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1)
-
-
-def check_batch(cfg: Config, mesh: jax.sharding.Mesh, global_batch: int | None = None) -> int:
-    """Returns k; TrainError unless the global batch divides by k x batch shards."""
-    return check_split(cfg, dict(mesh.shape), global_batch)
-
-
-def check_split(cfg: Config, shape: Mapping[str, int], global_batch: int | None = None) -> int:
-    """Returns k; TrainError unless the global batch divides by k x batch shards of a mesh of
-    axis sizes `shape` ({"data": 4, "fsdp": 2, "model": 1})."""
-    k = cfg.trainer.accum_steps
-    if not isinstance(k, int):
-        raise TrainError(
-            f"trainer.accum_steps = {k!r}: the trainer needs an integer; pick one with "
-            f"`trn-accum dry-run` and set it with --set trainer.accum_steps=K"
-        )
-    b = cfg.data.global_batch if global_batch is None else global_batch
-    shards = math.prod(shape.get(a, 1) for a in BATCH_AXES)
-    error = divisibility_error(b, k, shards)
-    if error:
-        valid = valid_steps(b, shards)
-        hint = (
-            f"valid accum_steps on this mesh: {list(valid[:8])}"
-            if valid
-            else f"no accum_steps works: make data.global_batch a multiple of {k * shards}"
-        )
-        wild = {a for a, n in cfg.mesh.axes().items() if n == -1}
-        axes = " x ".join(
-            f"{a} {shape.get(a, 1)}"
-            + (" (mesh." + a + " = -1: all devices left)" if a in wild else "")
-            for a in BATCH_AXES
-        )
-        raise TrainError(
-            f"data.global_batch = {b} is not divisible by accum_steps ({k}) x batch shards "
-            f"({axes} = {shards} on {math.prod(shape.values())} devices) = {k * shards}: {hint}"
-        )
-    return k
-
-
-def check_start(cfg: Config, devices: int | Sequence[Any] | None = None) -> int:
-    """What the trainer refuses at start, before data or compiling (TrainError, one line): the
-    attention kernels, the mesh on `devices` (a count, the devices, or None: this process's
-    JAX devices) and, for an integer accum_steps, the batch split. `trn-accum train` and
-    `trn-accum check-config` both call it. Returns the device count."""
-    check_attention(cfg)
-    if not isinstance(devices, int):
-        devices = list(jax.devices() if devices is None else devices)
-    count = devices if isinstance(devices, int) else len(devices)
-    platform = "" if isinstance(devices, int) or not devices else devices[0].platform
-    shape = mesh_shape(cfg, count, platform)
-    if cfg.trainer.accum_steps != "auto":
-        check_split(cfg, shape)
-    return count
-
-
-def check_attention(cfg: Config) -> None:
-    """TrainError now (not a traceback at trace time) when "neuron_flash" has no kernels here."""
-    if cfg.model.attention == "neuron_flash":
-        try:
-            kernels.active_kernels()
-        except ValueError as e:
-            raise TrainError(str(e)) from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -333,23 +246,6 @@ def make_eval_step(cfg: Config, mesh, param_shardings):
         in_shardings=(param_shardings, batch_sharding(mesh)),
         out_shardings=(replicated, replicated),
     )
-
-
-def flops_per_step(cfg: Config, global_batch: int | None = None) -> dict[str, float]:
-    """Analytic training FLOPs of one optimizer step (forward + backward, no remat recompute).
-
-    dense = 6 * N * tokens (N counts the tied embedding once: the LM head matmul uses it);
-    attention = 6 * L * H * Dh * S per token (QK^T and PV, causal: half of the 12 L H Dh S of
-    non-causal attention).
-    """
-    m = cfg.model
-    b = cfg.data.global_batch if global_batch is None else global_batch
-    s = cfg.data.seq_len
-    tokens = b * s
-    n = fuji.num_params(m)
-    dense = 6.0 * n * tokens
-    attn = 6.0 * m.num_layers * m.num_heads * m.head_dim * s * tokens
-    return {"params": n, "tokens": tokens, "dense": dense, "attention": attn, "total": dense + attn}
 
 
 def restore_target(abstract: dict, shardings: dict) -> dict:

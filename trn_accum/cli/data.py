@@ -1,0 +1,39 @@
+"""`trn-accum prepare-data` and `trn-accum plot`: text into a token directory, a run's metrics
+into a figure."""
+
+from __future__ import annotations
+
+from trn_accum.errors import EXIT_OK
+
+
+def _cmd_prepare_data(args) -> int:
+    from trn_accum.train.prepare import prepare_data
+
+    meta = prepare_data(args.text_files, args.out, args.tokenizer, binary_ok=args.binary_ok)
+    print(
+        f"wrote {meta['num_tokens']:,} tokens ({meta['num_documents']} documents, "
+        f"{meta['dtype']}, vocab {meta['vocab_size']}) to {args.out}"
+    )
+    return EXIT_OK
+
+
+def _cmd_plot(args) -> int:
+    from trn_accum.train.metrics import plot_run
+
+    print(plot_run(args.run_dir, args.out))
+    return EXIT_OK
+
+
+def add_parsers(sub) -> None:
+    """Adds `prepare-data` and `plot` to the subparsers action `sub`."""
+    pd = sub.add_parser("prepare-data", help="tokenize text files into a token directory")
+    pd.add_argument("text_files", nargs="+", metavar="TEXT_FILE")
+    pd.add_argument("--out", required=True, metavar="DIR")
+    pd.add_argument("--tokenizer", default="bytes", help="'bytes' or a tokenizer.json path")
+    pd.add_argument("--binary-ok", action="store_true", help="tokenize archives/binary too")
+    pd.set_defaults(func=_cmd_prepare_data)
+
+    pl = sub.add_parser("plot", help="plot loss, learning rate and gradient norm of a run")
+    pl.add_argument("run_dir", metavar="RUN_DIR")
+    pl.add_argument("-o", "--out", metavar="FILE.png", default=None)
+    pl.set_defaults(func=_cmd_plot)

@@ -1,0 +1,120 @@
+"""`trn-accum train` and `trn-accum check-config`: a run, and what `train` refuses at start,
+refused before one (the Slurm script runs check-config before srun; render-eks uses it too)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+
+from trn_accum.cli.parsing import PROG, Parser, UsageError, config_args
+from trn_accum.errors import EXIT_OK
+
+
+def _profile_range(text: str) -> tuple[int, int]:
+    m = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", text or "")
+    if not m or not 1 <= int(m.group(1)) < int(m.group(2)):
+        raise UsageError(
+            f"--profile {text!r}: expected START:STOP with 1 <= START < STOP (step numbers as "
+            "logged; traces steps START..STOP-1), e.g. --profile 10:15"
+        )
+    return int(m.group(1)), int(m.group(2))
+
+
+def _cmd_train(args) -> int:
+    profile = _profile_range(args.profile) if args.profile else None
+    try:
+        from trn_accum.train import loop
+    except ImportError as e:  # a broken install on one node: its job's ranks hear of it
+        from trn_accum.cluster.distributed import fail_startup
+
+        fail_startup(UsageError(f"cannot import the trainer ({e}): reinstall trn_accum here"))
+
+    run_dir = args.run_dir or os.path.join(
+        "runs", os.path.splitext(os.path.basename(args.config))[0]
+    )
+    return loop.run(
+        args.config,
+        overrides=args.overrides,
+        run_dir=run_dir,
+        profile=profile,
+        allow_config_change=args.allow_config_change,
+    )
+
+
+def add_train_args(t: argparse.ArgumentParser) -> None:
+    """The arguments of `trn-accum train`."""
+    config_args(t)
+    t.add_argument("--run-dir", metavar="DIR", help="checkpoints + metrics (default runs/CONFIG)")
+    t.add_argument(
+        "--profile",
+        metavar="START:STOP",
+        help="jax.profiler trace of steps START..STOP-1 into RUN_DIR/profile",
+    )
+    t.add_argument(
+        "--allow-config-change",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="KEY",
+        help="resume although these trajectory keys (section.key, or a whole section) differ "
+        "from the run's record; the change is logged in RUN_DIR/config_changes.jsonl",
+    )
+
+
+def train_parser() -> Parser:
+    """`trn-accum train`'s parser on its own (what check-config parses TRAIN_ARGS with)."""
+    t = Parser(prog=f"{PROG} train")
+    add_train_args(t)
+    return t
+
+
+def check_train_args(train_args: list[str], *, only_config_args: bool = False):
+    """(config path, Config): what `trn-accum train TRAIN_ARGS` refuses in its parser and config
+    loader, refused now (one line, exit 2). only_config_args: read only --config and --set (the
+    rest belong to a substituted trainer, e.g. the Slurm script's TRN_ACCUM_TRAIN)."""
+    from trn_accum.train.config import load_config
+
+    if only_config_args:
+        parser = Parser(prog=f"{PROG} train")
+        config_args(parser)
+        args, _ = parser.parse_known_args(train_args)
+    else:
+        args = train_parser().parse_args(train_args)
+    return args.config, load_config(args.config, args.overrides)  # ConfigError: as train's
+
+
+def _cmd_check_config(args) -> int:
+    train_args = args.train_args[1:] if args.train_args[:1] == ["--"] else args.train_args
+    config, cfg = check_train_args(train_args, only_config_args=args.only_config_args)
+    overrides = sum(a == "--set" or a.startswith("--set=") for a in train_args)
+    where = "; mesh and batch split not checked (pass --devices N)"
+    if args.devices or not (args.only_config_args or os.environ.get("SLURM_JOB_ID")):
+        from trn_accum.train import mesh_rules
+
+        where = f" on {mesh_rules.check_start(cfg, args.devices)} devices"  # as `train` at start
+    print(f"{PROG} check-config: {config} with {overrides} --set override(s): ok{where}")
+    return EXIT_OK
+
+
+def add_parsers(sub) -> None:
+    """Adds `train` and `check-config` to the subparsers action `sub`."""
+    t = sub.add_parser("train", help="train (or resume) a run")
+    add_train_args(t)
+    t.set_defaults(func=_cmd_train)
+
+    cc = sub.add_parser(
+        "check-config",
+        help="refuse now what `trn-accum train ARGS` would refuse at start (the train parser, "
+        "the config with its --set overrides); the Slurm script runs it before srun",
+    )
+    cc.add_argument(
+        "--only-config-args",
+        action="store_true",
+        help="read only --config and --set from ARGS (the rest belong to another trainer)",
+    )
+    cc.add_argument("--devices", type=int, help="the job's device count (default: JAX's here)")
+    cc.add_argument(
+        "train_args", nargs=argparse.REMAINDER, metavar="-- ARGS", help="the train arguments"
+    )
+    cc.set_defaults(func=_cmd_check_config)
