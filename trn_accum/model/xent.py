@@ -60,8 +60,7 @@ def _group_token_loss(hidden, embedding, labels):
     return _loss_from_logits(logits, labels)
 
 
-def cross_entropy(hidden, embedding, labels, *, chunk: int | None = None, groups: int = 1,
-                  shard=None):  # fmt: skip
+def cross_entropy(hidden, embedding, labels, *, chunk=None, groups=1, shard=None):
     """Per-token next-token cross-entropy, float32 [B, S]. `chunk`: tokens per chunk (None: all).
 
     Any `chunk` >= 1 works: the B*S tokens are padded to a multiple of it (the last chunk is
