@@ -25,6 +25,7 @@ Imports JAX (and numpy/stdlib) only.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,8 +36,8 @@ from jax.sharding import PartitionSpec as P
 from trn_accum.core import sharding as shd
 
 __all__ = [
-    "GATHERS", "Gather", "check_reduce", "gather", "plan", "scatter", "scatter_fn", "shard_spec",
-    "to_varying",
+    "GATHERS", "Gather", "check_reduce", "gather", "gather_f32_grad", "plan", "scatter",
+    "scatter_fn", "shard_spec", "to_varying",
 ]  # fmt: skip
 
 GATHERS = ("per_minibatch", "once", "once_unsharded")
@@ -106,6 +107,34 @@ def gather(x: jax.Array, g: Gather, dtype: Any) -> jax.Array:
     for d, axes in g:
         x = jax.lax.all_gather(x, axes if len(axes) > 1 else axes[0], axis=d, tiled=True)
     return x.astype(home) if narrow else x
+
+
+def gather_f32_grad(x: jax.Array, g: Gather, constrain=None) -> jax.Array:
+    """`gather(x, g, None)` whose gradient is reduce-scattered in float32 (and cast back to
+    x's dtype): XLA:CPU's `all-reduce-promotion` aborts on a bf16 reduce-scatter written in a
+    region manual over some axes only (its reducer carries a sharding constraint), while a
+    float32 one runs. `constrain(a)`: a sharding constraint over the automatic axes, put on the
+    gathered value and on its cotangent before the reduce-scatter (without it the partitioner
+    may gather the cotangent over those axes first)."""
+    if not g:
+        return x
+    return _gather_f32_grad(x, g, constrain or (lambda a: a))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _gather_f32_grad(x, g, constrain):
+    return constrain(gather(x, g, None))
+
+
+def _gather_f32_grad_fwd(x, g, constrain):
+    return constrain(gather(x, g, None)), None
+
+
+def _gather_f32_grad_bwd(g, constrain, _, ct):
+    return (scatter(constrain(ct).astype(jnp.float32), g).astype(ct.dtype),)
+
+
+_gather_f32_grad.defvjp(_gather_f32_grad_fwd, _gather_f32_grad_bwd)
 
 
 def scatter(x: jax.Array, g: Gather) -> jax.Array:
