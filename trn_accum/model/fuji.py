@@ -195,7 +195,7 @@ def _fused(ws, plans, dt, fuse, dims):
     return fuse([_weight(w, p, dt, (None,) * w.ndim) for w, p in zip(ws, plans, strict=True)])
 
 
-def _fused_qkv(h, layer, cfg: ModelConfig, plans):
+def _fused_qkv(h, layer, cfg: ModelConfig, plans=None):
     """q [B, S, H, Dh], k and v [B, S, KV, Dh] from one grouped projection (AXLearn's
     `FusedGroupedQKVLinear`, the v3 configs' QKV layer): the weights are laid out per KV head
     as [D, KV, H / KV + 2, Dh] (the KV head's query heads, then its key, then its value), so a
@@ -213,15 +213,18 @@ def _fused_qkv(h, layer, cfg: ModelConfig, plans):
         return jnp.concatenate([q.reshape(q.shape[0], kv, g, dh), k[:, :, None], v[:, :, None]], 2)
 
     names, heads = ("q", "k", "v"), (None, "heads", None, None)
-    w = _fused([layer[n] for n in names], [plans.get(n, ()) for n in names], h.dtype, fuse, heads)
+    w = _fused(
+        [layer[n] for n in names], [(plans or {}).get(n, ()) for n in names], h.dtype, fuse, heads
+    )
     qkv = jnp.einsum("bsd,dkgh->bskgh", h, w)  # [B, S, KV, G + 2, Dh]
     return qkv[:, :, :, :g].reshape(b, s, kv * g, dh), qkv[:, :, :, g], qkv[:, :, :, g + 1]
 
 
-def _fused_gate_up(h, layer, plans):
+def _fused_gate_up(h, layer, plans=None):
     """gate and up [B, S, F] from one [D, 2, F] projection (stacked on an unsharded axis, so no
     data moves): the backward pass sums the two input-gradient partials in the einsum, one
     tensor-parallel reduction instead of two. Same numbers as two projections."""
+    plans = plans or {}
     ws, ps = [layer["gate"], layer["up"]], [plans.get("gate", ()), plans.get("up", ())]
     w = _fused(ws, ps, h.dtype, lambda ws: jnp.stack(ws, axis=1), (None, None, "ffn"))
     gate_up = jnp.einsum("bsd,dtf->bstf", h, w)

@@ -1,6 +1,7 @@
 """Fuji parameters: one table gives the shape, logical axes and initialisation of every
 parameter (the tree in `trn_accum.model.fuji`'s docstring); rule sets map logical axes to mesh
-axes (`param_specs`). `trn_accum.model.fuji` re-exports every public name here.
+axes (`param_specs`). `trn_accum.model.fuji` re-exports every public name here. Every `cfg`
+is a `trn_accum.model.fuji.ModelConfig` (not imported: fuji imports this module).
 """
 
 from __future__ import annotations
@@ -8,15 +9,11 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-
-if TYPE_CHECKING:
-    from trn_accum.model.fuji import ModelConfig
 
 LOGICAL_AXES = ("vocab", "embed", "layers", "heads", "kv_heads", "head_dim", "ffn", "norm")
 
@@ -56,7 +53,7 @@ class _Param:
     fan: tuple[str, ...] = ()  # logical axes whose sizes multiply to the fan; () = norm scale 1
 
 
-def _param_table(cfg: ModelConfig) -> dict:
+def _param_table(cfg) -> dict:
     L, D, F, V = cfg.num_layers, cfg.hidden_dim, cfg.ffn_dim, cfg.vocab_size
     H, KV, Dh = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     return {
@@ -78,7 +75,7 @@ def _param_table(cfg: ModelConfig) -> dict:
     }
 
 
-def _init_std(cfg: ModelConfig, p: _Param) -> float | None:
+def _init_std(cfg, p: _Param) -> float | None:
     if not p.fan:
         return None
     if cfg.init == "normal":
@@ -87,7 +84,7 @@ def _init_std(cfg: ModelConfig, p: _Param) -> float | None:
     return 1.0 / math.sqrt(fan)
 
 
-def param_init_stds(cfg: ModelConfig) -> dict:
+def param_init_stds(cfg) -> dict:
     """The initial std of every parameter (the parameter tree; None for the norm scales, which
     start at 1): `cfg.init` "fan_in" = 1/sqrt(fan) (q/k/v/gate/up: hidden; o: heads x
     head_dim; down: ffn; the embedding: its fan-out, hidden), "normal" = `cfg.init_std`."""
@@ -98,7 +95,7 @@ def param_init_stds(cfg: ModelConfig) -> dict:
     )
 
 
-def init_params(cfg: ModelConfig, key) -> dict:
+def init_params(cfg, key) -> dict:
     """float32 parameters (tree in the module docstring). Matrices ~ normal(0, std) with the std
     of `param_init_stds`, norm scales 1. Works under `jax.eval_shape` and under
     `jax.jit(..., out_shardings=...)`."""
@@ -113,23 +110,23 @@ def init_params(cfg: ModelConfig, key) -> dict:
     return jax.tree.unflatten(treedef, arrays)
 
 
-def param_shapes(cfg: ModelConfig) -> dict:
+def param_shapes(cfg) -> dict:
     """Tree of `jax.ShapeDtypeStruct` (float32) matching `init_params`; no computation."""
     return jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32), _param_table(cfg))
 
 
-def num_params(cfg: ModelConfig) -> int:
+def num_params(cfg) -> int:
     """Exact parameter count (the LM head is the embedding: counted once)."""
     return sum(math.prod(p.shape) for p in jax.tree.leaves(_param_table(cfg)))
 
 
-def param_axes(cfg: ModelConfig) -> dict:
+def param_axes(cfg) -> dict:
     """Tree (same structure as the params) of tuples of logical axis names, one per dim."""
     return jax.tree.map(lambda p: p.axes, _param_table(cfg))
 
 
 def param_specs(
-    cfg: ModelConfig,
+    cfg,
     rules: str | Mapping[str, str | tuple[str, ...] | None],
     mesh_shape: Mapping[str, int] | None = None,
 ) -> dict:
@@ -176,7 +173,7 @@ def param_specs(
     return jax.tree_util.tree_map_with_path(spec, _param_table(cfg))
 
 
-def param_shardings(cfg: ModelConfig, mesh: jax.sharding.Mesh, rules) -> dict:
+def param_shardings(cfg, mesh: jax.sharding.Mesh, rules) -> dict:
     """Tree of NamedSharding on `mesh` (divisibility checked, see `param_specs`)."""
     specs = param_specs(cfg, rules, mesh.shape)
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
