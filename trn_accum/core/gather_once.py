@@ -25,7 +25,6 @@ Imports JAX (and numpy/stdlib) only.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 from trn_accum.core import sharding as shd
 
 __all__ = [
-    "GATHERS", "Gather", "check_reduce", "gather", "gather_f32_grad", "plan", "scatter",
+    "GATHERS", "Gather", "check_reduce", "gather", "gather_manual", "plan", "scatter",
     "scatter_fn", "shard_spec", "to_varying",
 ]  # fmt: skip
 
@@ -109,32 +108,24 @@ def gather(x: jax.Array, g: Gather, dtype: Any) -> jax.Array:
     return x.astype(home) if narrow else x
 
 
-def gather_f32_grad(x: jax.Array, g: Gather, constrain=None) -> jax.Array:
-    """`gather(x, g, None)` whose gradient is reduce-scattered in float32 (and cast back to
-    x's dtype): XLA:CPU's `all-reduce-promotion` aborts on a bf16 reduce-scatter written in a
-    region manual over some axes only (its reducer carries a sharding constraint), while a
-    float32 one runs. `constrain(a)`: a sharding constraint over the automatic axes, put on the
-    gathered value and on its cotangent before the reduce-scatter (without it the partitioner
-    may gather the cotangent over those axes first)."""
+def gather_manual(x: jax.Array, g: Gather, spec: P | None = None) -> jax.Array:
+    """`gather(x, g, None)` manual over every mesh axis: inside a `shard_map` over the axes
+    still automatic (x split there as `spec`, a PartitionSpec naming only those; None =
+    whole), so its transpose is a reduce-scatter in x's dtype on the local blocks. Left to the
+    partitioner in a region manual over some axes only, the collectives' operands were
+    gathered over the automatic ones ("model" on fsdp 4 x model 2), and XLA:CPU's
+    `all-reduce-promotion` aborts on a bf16 reduce-scatter there (its reducer carries a
+    sharding constraint); fully manual, neither happens."""
     if not g:
         return x
-    return _gather_f32_grad(x, g, constrain or (lambda a: a))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _gather_f32_grad(x, g, constrain):
-    return constrain(gather(x, g, None))
-
-
-def _gather_f32_grad_fwd(x, g, constrain):
-    return constrain(gather(x, g, None)), None
-
-
-def _gather_f32_grad_bwd(g, constrain, _, ct):
-    return (scatter(constrain(ct).astype(jnp.float32), g).astype(ct.dtype),)
-
-
-_gather_f32_grad.defvjp(_gather_f32_grad_fwd, _gather_f32_grad_bwd)
+    mesh = jax.sharding.get_abstract_mesh()
+    auto = set() if mesh.empty else set(mesh.axis_names) - set(shd.manual_axes())
+    if not auto:
+        return gather(x, g, None)
+    spec = P() if spec is None else spec
+    return jax.shard_map(
+        lambda a: gather(a, g, None), in_specs=spec, out_specs=spec, axis_names=auto
+    )(x)
 
 
 def scatter(x: jax.Array, g: Gather) -> jax.Array:

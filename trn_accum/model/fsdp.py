@@ -33,23 +33,18 @@ BATCH_AXES = fuji.BATCH_AXES
 
 
 def manual_axes() -> tuple[str, ...]:
-    """The batch axes of the current mesh that are still automatic (none without a mesh), when
-    every other automatic axis has size 1; () otherwise. With a tensor-parallel axis ("model")
-    left automatic, XLA's partitioner gathers the operands of the layer's collectives over it
-    (a regression measured on fsdp 4 x model 2: weights and their gradients all-gathered over
-    "model"), so such meshes keep the partitioner's program until the gathers run fully
-    manual (issue 35, part 4). Inside another shard_map (reduce="once"'s loop) also ():
-    nested there, the program failed MLIR verification (not investigated yet)."""
+    """The batch axes of the current mesh that are still automatic, of size > 1 (a size-1 one
+    would only add trivial all-reduces to the transpose; none without a mesh). The
+    other axes ("model") stay automatic around the layers and manual in each weight's gather
+    (`gather_once.gather_manual`). Inside another shard_map (reduce="once"'s loop) (): nested
+    there, the program failed MLIR verification (not investigated yet)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return ()
     types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
     if AxisType.Manual in types.values():
         return ()
-    auto = [a for a, t in types.items() if t == AxisType.Auto]
-    if any(mesh.shape[a] > 1 for a in auto if a not in BATCH_AXES):
-        return ()
-    return tuple(a for a in BATCH_AXES if a in auto)
+    return tuple(a for a in BATCH_AXES if types.get(a) == AxisType.Auto and mesh.shape[a] > 1)
 
 
 def gather_plans(specs, manual: tuple[str, ...]):

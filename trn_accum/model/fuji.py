@@ -127,30 +127,41 @@ jax.tree_util.register_static(ModelConfig)
 # Activation sharding
 
 
-def shard_activation(x, dims: tuple[str | None, ...]):
-    """Constrain activation `x` when a mesh is active (`jax.set_mesh`); otherwise return it.
-
-    `dims` names each dimension: "batch" -> the mesh's ("data", "fsdp") axes, "seq" -> "seq",
-    "heads" / "ffn" / "vocab" -> "model", None -> replicated. Only axes that exist in the current
-    mesh, are Auto (not Manual inside a shard_map, not Explicit) and keep the dimension divisible
-    are used, so the same model runs on any mesh and inside `shard_map(..., axis_names={"data"})`.
-    The constraint itself is `trn_accum.core.sharding.constrain` on the ambient mesh.
-    """
+def activation_spec(shape: tuple[int, ...], dims: tuple[str | None, ...]) -> P | None:
+    """The PartitionSpec `shard_activation` puts on an array of `shape` (None without a mesh or
+    an automatic axis): per dimension, the axes of its kind in `dims` that the current mesh
+    has, that are Auto and that keep it divisible."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
-        return x
+        return None
     auto = {a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t == AxisType.Auto}
     if not auto:
-        return x
+        return None
     entries = []
-    for size, kind in zip(x.shape, dims, strict=True):
+    for size, kind in zip(shape, dims, strict=True):
         chosen, n = [], 1
         for a in _ACTIVATION_AXES.get(kind, ()):
             if a in auto and size % (n * mesh.shape[a]) == 0:
                 chosen.append(a)
                 n *= mesh.shape[a]
         entries.append(tuple(chosen) if len(chosen) > 1 else chosen[0] if chosen else None)
-    return constrain(x, mesh, P(*entries))
+    return P(*entries)
+
+
+def shard_activation(x, dims: tuple[str | None, ...]):
+    """Constrain activation `x` when a mesh is active (`jax.set_mesh`); otherwise return it.
+
+    `dims` names each dimension: "batch" -> the mesh's ("data", "fsdp") axes, "seq" -> "seq",
+    "heads" / "ffn" / "vocab" -> "model", None -> replicated. Only axes that exist in the current
+    mesh, are Auto (not Manual inside a shard_map, not Explicit) and keep the dimension divisible
+    are used (`activation_spec`), so the same model runs on any mesh and inside
+    `shard_map(..., axis_names={"data"})`. The constraint is `trn_accum.core.sharding.constrain`
+    on the ambient mesh.
+    """
+    spec = activation_spec(x.shape, dims)
+    if spec is None:
+        return x
+    return constrain(x, jax.sharding.get_abstract_mesh(), spec)
 
 
 def batch_groups(size: int) -> int:
@@ -180,10 +191,11 @@ def rms_norm(x, scale, eps: float):
 
 def _weight(w, plan, dt, dims):
     """A weight in the compute dtype, whole: the (shard) cast, then all-gathered along `plan`'s
-    dimensions (`trn_accum.model.fsdp`; () = already whole). Inside a rematerialised layer the
-    backward pass gathers it again instead of keeping it; its gradient is reduce-scattered."""
-    shard = functools.partial(shard_activation, dims=dims)
-    return gather_once.gather_f32_grad(w.astype(dt), plan, shard)
+    dimensions (`trn_accum.model.fsdp`; () = already whole), manual over every mesh axis (split
+    over the automatic ones as `dims` says). Inside a rematerialised layer the backward pass
+    gathers it again instead of keeping it; its gradient is reduce-scattered in `dt`."""
+    w = w.astype(dt)
+    return gather_once.gather_manual(w, plan, activation_spec(w.shape, dims))
 
 
 def _fused(ws, plans, dt, fuse, dims):
