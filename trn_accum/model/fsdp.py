@@ -32,19 +32,32 @@ from trn_accum.model import fuji
 BATCH_AXES = fuji.BATCH_AXES
 
 
+#: The per-device loss also on meshes with another automatic axis of size > 1 ("model": the 3B
+#: config's fsdp 32 x model 2). Its collectives are right there (a bf16 reduce-scatter per fused
+#: weight, no full-size fsdp all-reduce, nothing new over "model"), but XLA:CPU's compiled
+#: memory of the 3B step grows faster per unrolled layer than the partitioner's, over the
+#: 24 GiB budget at 28 layers and k=2 (docs/performance.md), so it stays off until that is
+#: understood.
+TENSOR_PARALLEL = False
+
+
 def manual_axes() -> tuple[str, ...]:
     """The batch axes of the current mesh that are still automatic, of size > 1 (a size-1 one
-    would only add trivial all-reduces to the transpose; none without a mesh). The
-    other axes ("model") stay automatic around the layers and manual in each weight's gather
-    (`gather_once.gather_manual`). Inside another shard_map (reduce="once"'s loop) (): nested
-    there, the program failed MLIR verification (not investigated yet)."""
+    would only add trivial all-reduces to the transpose; none without a mesh). The other axes
+    ("model") stay automatic around the layers and manual in each weight's gather
+    (`gather_once.gather_manual`); with one of them of size > 1, () unless `TENSOR_PARALLEL`.
+    Inside another shard_map (reduce="once"'s loop) (): nested there, the program failed MLIR
+    verification (not investigated yet)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return ()
     types = dict(zip(mesh.axis_names, mesh.axis_types, strict=True))
     if AxisType.Manual in types.values():
         return ()
-    return tuple(a for a in BATCH_AXES if types.get(a) == AxisType.Auto and mesh.shape[a] > 1)
+    auto = [a for a, t in types.items() if t == AxisType.Auto]
+    if not TENSOR_PARALLEL and any(mesh.shape[a] > 1 for a in auto if a not in BATCH_AXES):
+        return ()
+    return tuple(a for a in BATCH_AXES if a in auto and mesh.shape[a] > 1)
 
 
 def gather_plans(specs, manual: tuple[str, ...]):
