@@ -125,23 +125,14 @@ def test_core_imports_only_jax_numpy_and_stdlib():
 
 
 @pytest.mark.parametrize("path", sorted(PKG.rglob("*.py")), ids=lambda p: str(p.relative_to(PKG)))
-def test_modules_stay_under_500_lines(path):
-    n = len(path.read_text().splitlines())
-    assert n <= 500, f"{path.relative_to(PKG.parent)} has {n} lines: split it by concept"
-
-
-# issue 36: the helpers splitting core/ and model/ remove their `# fmt:` marks; drop a room
-# from here when its files hold none
-FMT_MARKS_PENDING = ("model",)
-
-
-@pytest.mark.parametrize("path", sorted(PKG.rglob("*.py")), ids=lambda p: str(p.relative_to(PKG)))
-def test_no_fmt_marks(path):
-    """`ruff format` lays out every file: no `# fmt: skip/off/on` holds a module in shape."""
-    if path.relative_to(PKG).parts[0] in FMT_MARKS_PENDING:
-        return
-    marks = [i for i, line in enumerate(path.read_text().splitlines(), 1) if "# fmt:" in line]
-    assert not marks, f"{path.relative_to(PKG.parent)} has `# fmt:` marks on lines {marks}"
+def test_modules_read_as_their_names(path):
+    """Issue 36: a module does one job, under 400 lines, and `ruff format` lays it out (no
+    `# fmt: skip/off/on` holds it in shape)."""
+    lines = path.read_text().splitlines()
+    name = path.relative_to(PKG.parent)
+    marks = [i for i, line in enumerate(lines, 1) if "# fmt:" in line]
+    assert not marks, f"{name} has `# fmt:` marks on lines {marks}"
+    assert len(lines) < 400, f"{name} has {len(lines)} lines: split it by job"
 
 
 def test_no_private_jax_imports():
@@ -165,14 +156,3 @@ def test_accumulate_gradients_fits_on_a_screen():
 
     n = len(Path(accumulate.__file__).read_text().splitlines())
     assert n <= 300, f"core/accumulate.py has {n} lines (the core idea fits in 300)"
-
-
-@pytest.mark.parametrize("path", sorted((PKG / "core").glob("*.py")), ids=lambda p: p.name)
-def test_core_modules_have_no_fmt_marks_and_stay_under_400_lines(path):
-    """Issue 36: `ruff format` lays out every core file (no `# fmt:` marks), and a core module
-    reads as its name (under 400 lines)."""
-    text = path.read_text()
-    marks = [n for n, line in enumerate(text.splitlines(), 1) if "# fmt:" in line]
-    assert not marks, f"core/{path.name}: `# fmt:` marks at lines {marks}"
-    n = len(text.splitlines())
-    assert n < 400, f"core/{path.name} has {n} lines: split it by job"

@@ -32,12 +32,13 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from trn_accum.core.constraints import varying_axes
+from trn_accum.core.constraints import manual_axes, varying_axes
 from trn_accum.core.specs import spec_axes
 
 __all__ = [
     "Gather",
     "gather",
+    "gather_manual",
     "plan",
     "scatter",
     "scatter_fn",
@@ -101,6 +102,26 @@ def gather(x: jax.Array, g: Gather, dtype: Any) -> jax.Array:
     for d, axes in g:
         x = jax.lax.all_gather(x, axes if len(axes) > 1 else axes[0], axis=d, tiled=True)
     return x.astype(home) if narrow else x
+
+
+def gather_manual(x: jax.Array, g: Gather, spec: P | None = None) -> jax.Array:
+    """`gather(x, g, None)` manual over every mesh axis: inside a `shard_map` over the axes
+    still automatic (x split there as `spec`, a PartitionSpec naming only those; None =
+    whole), so its transpose is a reduce-scatter in x's dtype on the local blocks. Left to the
+    partitioner in a region manual over some axes only, the collectives' operands were
+    gathered over the automatic ones ("model" on fsdp 4 x model 2), and XLA:CPU's
+    `all-reduce-promotion` aborts on a bf16 reduce-scatter there (its reducer carries a
+    sharding constraint); fully manual, neither happens."""
+    if not g:
+        return x
+    mesh = jax.sharding.get_abstract_mesh()
+    auto = set() if mesh.empty else set(mesh.axis_names) - set(manual_axes())
+    if not auto:
+        return gather(x, g, None)
+    spec = P() if spec is None else spec
+    return jax.shard_map(
+        lambda a: gather(a, g, None), in_specs=spec, out_specs=spec, axis_names=auto
+    )(x)
 
 
 def scatter(x: jax.Array, g: Gather) -> jax.Array:

@@ -38,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 from trn_accum.core.accumulate import accumulate_gradients
 from trn_accum.core.split import split_minibatches
 from trn_accum.core.strategy import Strategy
-from trn_accum.model import fuji
+from trn_accum.model import fsdp, fuji
 from trn_accum.train import optim
 from trn_accum.train.config import Config
 from trn_accum.train.mesh_rules import (
@@ -152,11 +152,10 @@ def abstract_batch(cfg: Config, mesh: jax.sharding.Mesh, global_batch: int | Non
     }
 
 
-def _loss(cfg: Config):
-    def loss(params, batch):
-        return fuji.loss_fn(params, batch, cfg.model)
-
-    return loss
+def _loss(cfg: Config, specs):
+    """The loss per device over the batch axes, each FSDP weight gathered in the layer that
+    uses it (`trn_accum.model.fsdp`): its gradients are reduce-scattered."""
+    return fsdp.sharded_loss(cfg.model, specs)
 
 
 def strategy(cfg: Config) -> Strategy:
@@ -178,7 +177,7 @@ def make_train_step(cfg: Config, mesh, tx, lr_fn, specs, state_shardings):
     """jit(step)(state, batch) -> (state, metrics); state donated, shardings explicit."""
     k = cfg.trainer.accum_steps
     grad_fn = accumulate_gradients(
-        _loss(cfg),
+        _loss(cfg, specs),
         steps=k,
         mesh=mesh,
         batch_spec=BATCH_SPEC,
@@ -226,7 +225,7 @@ def make_eval_step(cfg: Config, mesh, param_shardings):
     """jit(eval)(params, batch) -> (sum of per-token losses, number of target tokens), run over
     the same k minibatches as training (same memory), with a fixed-length scan."""
     k = cfg.trainer.accum_steps
-    loss = _loss(cfg)
+    loss = _loss(cfg, jax.tree.map(lambda s: s.spec, param_shardings))
 
     def ev(params, batch):
         stacked = split_minibatches(batch, k, mesh=mesh, batch_spec=BATCH_SPEC)

@@ -1,0 +1,125 @@
+"""model/fsdp.py: the per-device loss reduce-scatters the FSDP gradients (issue 35, part 4),
+read on the module after XLA's SPMD partitioner, with the previous program's numbers."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from conftest import assert_close
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from trn_accum.analysis.collectives import collectives, group_axes
+from trn_accum.analysis.partitioned import compile_partitioned
+from trn_accum.model import fsdp, fuji
+from trn_accum.train import step
+from trn_accum.train.config import load_config
+
+SETS = [
+    "mesh.data=2", "mesh.fsdp=4", "mesh.model=1", 'mesh.rules="fsdp"', 'model.layer_loop="unroll"',
+    "trainer.accum_steps=2", "data.global_batch=16", "model.loss_chunk=16",
+]  # fmt: skip
+# the 3B config's mesh kind: fsdp x model 2, the trn2 rules (heads, FFN, vocabulary over model)
+TP = ["mesh.data=1", "mesh.model=2", 'mesh.rules="trn2"']
+
+
+def _cfg(*more):
+    return load_config("configs/fuji-tiny.toml", SETS + list(more))
+
+
+def _collectives(cfg):
+    mesh = step.make_mesh(cfg)
+    _, text = compile_partitioned(step.build_step(cfg, mesh).lowered)
+    return collectives(text), dict(mesh.shape)
+
+
+def _model_sizes(found, shape, kind=None):
+    """Element counts of the operands of the collectives spanning "model" (of `kind`)."""
+    return {
+        math.prod(a.dims)
+        for c in found
+        if "model" in (group_axes(c.replica_groups, shape) or ("model",)) and kind in (None, c.kind)
+        for a in c.instruction.shapes
+    }
+
+
+@pytest.mark.parametrize("mesh", [[], TP], ids=["data2_fsdp4", "fsdp4_model2"])
+def test_step_reduce_scatters_every_layer_and_all_reduces_no_full_fsdp_gradient(mesh, monkeypatch):
+    monkeypatch.setattr(fsdp, "TENSOR_PARALLEL", True)
+    cfg = _cfg(*mesh)
+    found, shape = _collectives(cfg)
+    # the smallest per-layer weight whole along fsdp (split over model as its spec says): its
+    # gradient's size before a scatter
+    specs = fuji.param_specs(cfg.model, cfg.mesh.rules, shape)["layers"]
+    smallest = min(
+        math.prod(
+            n // shape[e] if e == "model" else n for n, e in zip(s.shape[1:], spec[1:], strict=True)
+        )
+        for s, spec in zip(
+            jax.tree.leaves(fuji.param_shapes(cfg.model)["layers"]),
+            jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P)),
+            strict=True,
+        )
+        if len(s.shape) > 2
+    )
+    scatters = [c for c in found if c.kind == "reduce-scatter"]
+    full = [
+        c
+        for c in found
+        if c.kind == "all-reduce"
+        and "fsdp" in group_axes(c.replica_groups, shape)
+        and any(math.prod(a.dims) >= smallest for a in c.instruction.shapes)
+    ]
+    assert len(scatters) >= cfg.model.num_layers, [c.instruction.type_text for c in found]
+    assert not full, [c.instruction.type_text for c in full]
+    if shape["model"] > 1:
+        # over "model" only the partitioner's own tensor-parallel all-reduces, no gather of a
+        # weight or a gradient: the same operand sizes as the previous program's (the loss
+        # left to the partitioner)
+        monkeypatch.setattr(fsdp, "manual_axes", lambda: ())
+        previous, _ = _collectives(cfg)
+        assert _model_sizes(found, shape) <= _model_sizes(previous, shape, "all-reduce")
+
+
+@pytest.mark.parametrize(
+    "layer_loop,mesh", [("unroll", []), ("scan", []), ("scan", TP)], ids=["unroll", "scan", "tp"]
+)
+def test_per_device_loss_and_gradients_equal_the_partitioners(layer_loop, mesh, monkeypatch):
+    monkeypatch.setattr(fsdp, "TENSOR_PARALLEL", True)
+    cfg = _cfg(f'model.layer_loop="{layer_loop}"', 'model.compute_dtype="float32"', *mesh)
+    mesh = step.make_mesh(cfg)
+    specs = step.param_specs(cfg, mesh)
+    params = jax.device_put(fuji.init_params(cfg.model, jax.random.key(0)), step.named(mesh, specs))
+    keys = jax.random.split(jax.random.key(1), 2)
+    shape = (16, cfg.data.seq_len)
+    rows = NamedSharding(mesh, P(("data", "fsdp")))
+    batch = jax.device_put(
+        {
+            "input_ids": jax.random.randint(keys[0], shape, 0, cfg.model.vocab_size),
+            "target_labels": jax.random.randint(keys[1], shape, 0, cfg.model.vocab_size),
+            "target_mask": (jnp.arange(shape[1]) < 40).astype(jnp.float32) * jnp.ones(shape),
+        },
+        rows,
+    )
+    previous = jax.value_and_grad(lambda p, b: fuji.loss_fn(p, b, cfg.model), has_aux=True)
+    per_device = jax.value_and_grad(fsdp.sharded_loss(cfg.model, specs), has_aux=True)
+    with jax.set_mesh(mesh):
+        (loss0, aux0), g0 = jax.jit(previous)(params, batch)
+        (loss1, aux1), g1 = jax.jit(per_device)(params, batch)
+    np.testing.assert_allclose(float(loss1), float(loss0), rtol=1e-6)
+    assert_close(aux1, aux0, rtol=1e-6)
+    assert_close(g1, g0, rtol=2e-5, scaled_atol=True)
+    # on the host: an eager op on g1 read its sharding with the mesh of an earlier test
+    assert float(optax.tree.norm(jax.device_get(g1))) > 0
+
+
+@pytest.mark.parametrize("on", [False, True])
+def test_tensor_parallel_meshes_keep_the_partitioners_program_unless_switched_on(on, monkeypatch):
+    monkeypatch.setattr(fsdp, "TENSOR_PARALLEL", on)
+    with jax.set_mesh(step.make_mesh(_cfg(*TP))):
+        assert fsdp.manual_axes() == (("fsdp",) if on else ())
+    with jax.set_mesh(step.make_mesh(_cfg())):
+        assert fsdp.manual_axes() == ("data", "fsdp")
