@@ -37,6 +37,11 @@ JAX_CACHE_ENV = {
     "TF_CPP_MIN_LOG_LEVEL": "3",
 }
 jax.config.update("jax_compilation_cache_dir", None)
+# For a subprocess that reads XLA's dumps (`trn-accum dry-run`, `neuron-check`: the module after
+# SPMD partitioning, trn_accum.analysis.partitioned): a cache hit compiles nothing, dumps
+# nothing, and that analysis fails ("XLA dumped no module after pass ..."), as the reference
+# dry-run test did in a full run with the cache. Also for a test that needs a real compile.
+NO_JAX_CACHE = {"JAX_ENABLE_COMPILATION_CACHE": "false"}
 
 
 def pytest_configure(config):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import subprocess_env, user_error_line
+from conftest import NO_JAX_CACHE, subprocess_env, user_error_line
 
 from trn_accum.train.metrics import read_metrics
 
@@ -174,7 +174,7 @@ def test_sigterm_during_the_first_compile_exits_75_at_once(tmp_path):
     free)."""
     run = tmp_path / "run"
     args = ["train", "--config", TINY, "--run-dir", run, "--set", "trainer.steps=2"]
-    proc = _start(args, JAX_ENABLE_COMPILATION_CACHE="false")  # a real compile, not a cache hit
+    proc = _start(args, **NO_JAX_CACHE)  # a real compile, not a cache hit
     try:
         for line in proc.stdout:
             if line.startswith("training "):
