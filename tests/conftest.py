@@ -19,6 +19,58 @@ import jax  # noqa: E402
 
 assert jax.device_count() == 8, f"expected 8 emulated CPU devices, got {jax.device_count()}"
 
+# ----------------------------------------------------------------------------- compile cache
+# The suite's `trn-accum` / JAX subprocesses compile the same tiny programs again and again
+# (the fuji-tiny train step on 8 or 4 devices, ...): they share one persistent
+# compilation cache, a folder made per `pytest` run by the process that starts the xdist
+# workers (`pytest_configure` below), inherited through the environment. Measured on 2 busy
+# cores: the tiny 10-step run, 19.5 s user without, 4.5 s user on a hit. Size-capped, so that
+# JAX takes its file lock around every read and write (two workers' processes write at once).
+# jaxlib 0.10.0's XLA:CPU logs two error lines per cache hit here (openxla/xla#44565: tuning
+# flags in the host-feature check; the executable loads and runs), hence TF_CPP_MIN_LOG_LEVEL.
+# The test processes themselves compile without it (their own programs; tests read compiled
+# executables, and a loaded one lacks its source-location table).
+JAX_CACHE_ENV = {
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
+    "JAX_COMPILATION_CACHE_MAX_SIZE": str(4 << 30),
+    "TF_CPP_MIN_LOG_LEVEL": "3",
+}
+jax.config.update("jax_compilation_cache_dir", None)
+# For a subprocess that reads XLA's dumps (`trn-accum dry-run`, `neuron-check`: the module after
+# SPMD partitioning, trn_accum.analysis.partitioned): a cache hit compiles nothing, dumps
+# nothing, and that analysis fails ("XLA dumped no module after pass ..."), as the reference
+# dry-run test did in a full run with the cache. Also for a test that needs a real compile.
+NO_JAX_CACHE = {"JAX_ENABLE_COMPILATION_CACHE": "false"}
+
+
+def pytest_configure(config):
+    """The controller (or the only process) makes the run's cache folder; xdist workers inherit
+    it with the environment (they start after this hook)."""
+    if hasattr(config, "workerinput") or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return
+    import tempfile
+
+    config._trn_accum_jax_cache = tempfile.mkdtemp(prefix="trn-accum-jax-cache-")
+    os.environ.update(JAX_CACHE_ENV, JAX_COMPILATION_CACHE_DIR=config._trn_accum_jax_cache)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked slow first, otherwise in collection order: xdist hands the tests out in this
+    order (after its multi-test xdist groups), so the long ones start while both workers are
+    busy and the short ones even out the end."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+def pytest_unconfigure(config):
+    cache = getattr(config, "_trn_accum_jax_cache", None)
+    if cache:
+        import shutil
+
+        shutil.rmtree(cache, ignore_errors=True)
+        os.environ.pop("JAX_COMPILATION_CACHE_DIR", None)
+
+
 # ----------------------------------------------------------------------------- shared helpers
 # (imported by test files as `from conftest import ...`; pytest puts tests/ on sys.path)
 
@@ -58,9 +110,8 @@ def partitioner(request):
 
 def subprocess_env(devices: int = 8, **extra) -> dict:
     """The environment of a `trn-accum` subprocess in the tests: CPU platform with `devices`
-    emulated devices, no launcher variables. No persistent compilation cache: on this machine's
-    CPUs jaxlib 0.10.0's XLA rejects every cached CPU executable with two error lines
-    (openxla/xla#44565, tuning flags in the host-feature check), so a cache only adds noise."""
+    emulated devices, no launcher variables; the suite's compilation cache comes with
+    os.environ (see JAX_CACHE_ENV)."""
     import os
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TRN_ACCUM_"))}

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import subprocess_env, user_error_line
+from conftest import NO_JAX_CACHE, subprocess_env, user_error_line
 
 from trn_accum.train.metrics import read_metrics
 
@@ -131,11 +131,11 @@ def test_resume_is_exact_after_sigterm_and_sigkill_during_save(tmp_path):
         np.testing.assert_array_equal(x, y)
 
 
-def _start(args) -> subprocess.Popen:
+def _start(args, **env) -> subprocess.Popen:
     """`trn-accum ARGS` started in the background, its output piped (text)."""
     return subprocess.Popen(
         [sys.executable, "-m", "trn_accum.cli", *map(str, args)],
-        env=subprocess_env(),
+        env=subprocess_env(**env),
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -174,7 +174,7 @@ def test_sigterm_during_the_first_compile_exits_75_at_once(tmp_path):
     free)."""
     run = tmp_path / "run"
     args = ["train", "--config", TINY, "--run-dir", run, "--set", "trainer.steps=2"]
-    proc = _start(args)
+    proc = _start(args, **NO_JAX_CACHE)  # a real compile, not a cache hit
     try:
         for line in proc.stdout:
             if line.startswith("training "):
