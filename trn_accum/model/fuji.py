@@ -304,9 +304,13 @@ def embedding_table(params, cfg: ModelConfig, plans: dict | None = None):
     along `plans["embed"]`: gathered once, in the compute dtype, for the lookup and the LM head
     (its gradient, summed over both uses and the loss chunks in float32, is reduce-scattered
     in the compute dtype). A lookup into a table sharded on the embed dimension crashes XLA's
-    partitioner inside a shard_map manual over "data" (jax 0.10.2), so it is always whole."""
+    partitioner inside a shard_map manual over "data" (jax 0.10.2), so it is always whole.
+    Without a plan: `params["embed"]` itself, so that the program left to the partitioner is
+    the one it was (the lookup gathers a compute-dtype copy, the LM head casts per chunk)."""
     dt = jnp.dtype(cfg.compute_dtype)
     plan = (plans or {}).get("embed", ())
+    if not plan:  # whole, or left to the partitioner: the f32 parameter, cast where it is used
+        return params["embed"]
     table = _weight(params["embed"], plan, dt, ("vocab", None)).astype(jnp.float32)
     return shard_activation(table, ("vocab", None))
 
@@ -317,7 +321,10 @@ def _hidden(params, table, tokens, cfg: ModelConfig, plans: dict | None):
     if tokens.shape[1] > cfg.max_seq_len:
         raise ValueError(f"sequence {tokens.shape[1]} > model.max_seq_len {cfg.max_seq_len}")
     dt = jnp.dtype(cfg.compute_dtype)
-    x = shard_activation(jnp.take(table.astype(dt), tokens, axis=0), ("batch", "seq", None))
+    # gather the table over its embed (fsdp) dimension first, in the compute dtype, as FSDP does
+    # for every weight (a no-op where `embedding_table` already gathered it)
+    table = shard_activation(table.astype(dt), ("vocab", None))
+    x = shard_activation(jnp.take(table, tokens, axis=0), ("batch", "seq", None))
     block = functools.partial(_block, cfg=cfg, plans=_layer_plans(plans))
     if cfg.layer_loop == "scan":
         block = _remat(block, cfg.remat, in_scan=True)
