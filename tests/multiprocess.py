@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
 import signal
 import socket
@@ -136,13 +137,27 @@ class ProcResult:
     stderr: str
 
     def tagged(self, tag: str) -> str:
-        """The rest of the last stdout line after `tag` (C++ libraries such as gloo
-        write to the same stdout from their own threads, a line's head can be theirs, so results
-        are printed with a tag and the tag is looked for anywhere in a line)."""
-        lines = [ln for ln in self.stdout.splitlines() if tag in ln]
-        if not lines:
-            raise AssertionError(f"rank {self.rank}: no {tag!r} line in stdout:\n{self.stdout}")
-        return lines[-1].rpartition(tag)[2].strip()
+        """`tagged(self.stdout, tag)`, naming this rank when the tag is missing."""
+        try:
+            return tagged(self.stdout, tag)
+        except AssertionError as e:
+            raise AssertionError(f"rank {self.rank}: {e}") from None
+
+
+def tagged(stdout: str, tag: str) -> str:
+    """The rest of the last stdout line after `tag`. C++ libraries such as gloo write to a
+    rank's stdout from their own threads, between the pieces of a Python `print`, so a line's
+    head (or tail) can be theirs: results are printed after a tag, found anywhere in a line."""
+    lines = [ln for ln in stdout.splitlines() if tag in ln]
+    if not lines:
+        raise AssertionError(f"no {tag!r} line in stdout:\n{stdout[-3000:]}")
+    return lines[-1].rpartition(tag)[2].strip()
+
+
+def tagged_json(stdout: str, tag: str):
+    """The JSON value printed after `tag` (`tagged`), anything a C++ thread wrote after it on
+    the same line ignored."""
+    return json.JSONDecoder().raw_decode(tagged(stdout, tag))[0]
 
 
 class ProcessesFailed(AssertionError):

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from multiprocess import tagged_json
 
 from trn_accum.train.data import (
     DataError,
@@ -416,8 +417,7 @@ def test_global_batch_two_processes_read_only_their_rows():
     for p in procs:
         out, err = p.communicate(timeout=120)
         assert p.returncode == 0, err[-2000:]
-        line = [ln for ln in out.splitlines() if ln.startswith("RESULT ")][0]
-        results.append(json.loads(line[len("RESULT ") :]))
+        results.append(tagged_json(out, "RESULT "))  # gloo shares the rank's stdout
     asked = [sorted(r["asked"]) for r in results]
     assert asked[0] == list(range(8)) and asked[1] == list(range(8, 16))
     ref = SyntheticDataset(vocab_size=64, seq_len=8, batch_size=16, seed=0).rows(3, np.arange(16))

@@ -20,6 +20,7 @@ from multiprocess import (
     cpu_env,
     free_port,
     run_processes,
+    tagged_json,
     tiny_reference_losses,
     train_losses,
 )
@@ -513,12 +514,11 @@ NEURON_WORKER = textwrap.dedent(
 
 
 def test_initialize_neuron_path_exports_env_and_rbg():
-    import json
 
     results = run_processes(
         NEURON_WORKER, 2, devices_per_process=4, env={"TRN_ACCUM_DEVICES_PER_PROCESS": "4"}
     )
-    outs = [json.loads(r.tagged("RESULT")) for r in results]
+    outs = [tagged_json(r.stdout, "RESULT") for r in results]
     for i, o in enumerate(outs):
         assert o["env"] == {
             "NEURON_PJRT_PROCESSES_NUM_DEVICES": "4,4",

@@ -14,7 +14,6 @@ run preempted mid-way (`scontrol requeue`) resumes from its checkpoint to the sa
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import subprocess
@@ -31,6 +30,7 @@ from multiprocess import (
     TINY_STEPS,
     assert_losses_of_one_process,
     cpu_env,
+    tagged_json,
     tiny_reference_losses,
     train_losses,
 )
@@ -129,9 +129,7 @@ def sbatch(cluster, tmp: Path, env: dict, *args: str, wait: bool = False) -> str
 
 
 def results(log: Path) -> dict:
-    lines = [ln for ln in log.read_text().splitlines() if ln.startswith("RESULT ")]
-    assert lines, f"no RESULT in {log}:\n{log.read_text()}"
-    return json.loads(lines[-1][len("RESULT ") :])
+    return tagged_json(log.read_text(), "RESULT ")  # gloo shares the ranks' output
 
 
 def wait_for(pred, timeout: float, what: str) -> None:
