@@ -2,10 +2,28 @@
 
 import os
 
+# The suite's programs are tiny and compiled once each: LLVM's optimizations of XLA:CPU's
+# generated code cost more than they save. Measured on 2 idle cores (pytest -p no:cacheprovider
+# tests/test_accumulation.py tests/test_strategy.py): 60.0 s without these flags, 44.6 s with
+# them; tests/test_train.py tests/test_gather_once.py: 64.1 s -> 47.8 s. They change no HLO pass
+# (the collectives, memory and FLOPs the tests read) and every executable stays deterministic.
+# Every process the suite starts gets them (`xla_flags`); a user's run does not.
+FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+
+def xla_flags(devices: int | None = None) -> str:
+    """XLA_FLAGS for a process the suite starts: the fast-compile flags, then `devices`
+    emulated CPU devices (None: the process sets its own count, as the CLI does)."""
+    count = f" --xla_force_host_platform_device_count={devices}" if devices else ""
+    return FAST_COMPILE_FLAGS + count
+
+
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    os.environ.get("XLA_FLAGS", "")
+    + " "
+    + xla_flags(8)
     # XLA:CPU may deadlock emulated-device collectives without this (see trn_accum.cli).
-    " --xla_cpu_enable_concurrency_optimized_scheduler=false"
+    + " --xla_cpu_enable_concurrency_optimized_scheduler=false"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The trainer fits its lines to $COLUMNS (trn_accum.train.metrics.console_width). pytest-xdist's
@@ -20,39 +38,39 @@ import jax  # noqa: E402
 assert jax.device_count() == 8, f"expected 8 emulated CPU devices, got {jax.device_count()}"
 
 # ----------------------------------------------------------------------------- compile cache
-# The suite's `trn-accum` / JAX subprocesses compile the same tiny programs again and again
-# (the fuji-tiny train step on 8 or 4 devices, ...): they share one persistent
-# compilation cache, a folder made per `pytest` run by the process that starts the xdist
-# workers (`pytest_configure` below), inherited through the environment. Measured on 2 busy
-# cores: the tiny 10-step run, 19.5 s user without, 4.5 s user on a hit. Size-capped, so that
-# JAX takes its file lock around every read and write (two workers' processes write at once).
-# jaxlib 0.10.0's XLA:CPU logs two error lines per cache hit here (openxla/xla#44565: tuning
-# flags in the host-feature check; the executable loads and runs), hence TF_CPP_MIN_LOG_LEVEL.
-# The test processes themselves compile without it (their own programs; tests read compiled
-# executables, and a loaded one lacks its source-location table).
+# The suite compiles the same tiny programs again and again, in its test processes (a fresh
+# jit of the fuji-tiny step per test) and in the `trn-accum` / JAX subprocesses it starts: all
+# of them share one persistent compilation cache, a folder made per `pytest` run by the process
+# that starts the xdist workers (`pytest_configure` below), inherited through the environment.
+# Measured on 2 busy cores: the tiny 10-step run, 19.5 s user without, 4.5 s user on a hit.
+# Size-capped, so that JAX takes its file lock around every read and write (two workers'
+# processes write at once). jaxlib 0.10.0's XLA:CPU logs two error lines per cache hit here
+# (openxla/xla#44565: tuning flags in the host-feature check; the executable loads and runs),
+# hence TF_CPP_MIN_LOG_LEVEL. What reads XLA's dumps turns the cache off for that compile
+# itself (trn_accum.analysis.partitioned), as it must on trn2, where the cache is on.
 JAX_CACHE_ENV = {
     "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
     "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",
     "JAX_COMPILATION_CACHE_MAX_SIZE": str(4 << 30),
     "TF_CPP_MIN_LOG_LEVEL": "3",
 }
-jax.config.update("jax_compilation_cache_dir", None)
-# For a subprocess that reads XLA's dumps (`trn-accum dry-run`, `neuron-check`: the module after
-# SPMD partitioning, trn_accum.analysis.partitioned): a cache hit compiles nothing, dumps
-# nothing, and that analysis fails ("XLA dumped no module after pass ..."), as the reference
-# dry-run test did in a full run with the cache. Also for a test that needs a real compile.
+# For a test that needs a real compile (its subprocess must spend the compile's time).
 NO_JAX_CACHE = {"JAX_ENABLE_COMPILATION_CACHE": "false"}
 
 
 def pytest_configure(config):
     """The controller (or the only process) makes the run's cache folder; xdist workers inherit
-    it with the environment (they start after this hook)."""
+    it with the environment (they start after this hook, and their JAX reads it at import)."""
     if hasattr(config, "workerinput") or os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         return
     import tempfile
 
     config._trn_accum_jax_cache = tempfile.mkdtemp(prefix="trn-accum-jax-cache-")
     os.environ.update(JAX_CACHE_ENV, JAX_COMPILATION_CACHE_DIR=config._trn_accum_jax_cache)
+    # this process imported JAX before: without xdist it runs the tests itself
+    jax.config.update("jax_compilation_cache_dir", config._trn_accum_jax_cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -116,7 +134,7 @@ def subprocess_env(devices: int = 8, **extra) -> dict:
 
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TRN_ACCUM_"))}
     env.pop("JOB_COMPLETION_INDEX", None)
-    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+    env.update(XLA_FLAGS=xla_flags(devices), JAX_PLATFORMS="cpu")
     env.update(extra)
     return env
 

@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import NO_JAX_CACHE, subprocess_env
+from conftest import subprocess_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TABLE = json.loads((ROOT / "benchmarks" / "calibration.json").read_text())
@@ -43,7 +43,7 @@ def test_the_cheapest_tpu_row_reproduces_its_prediction():
     assert cmd[:2] == ["trn-accum", "dry-run"] and "--devices" in cmd
     r = subprocess.run(
         [sys.executable, "-m", "trn_accum.cli", *cmd[1:]],
-        env=subprocess_env(1, **NO_JAX_CACHE),  # a dry-run: it reads XLA's dumps
+        env=subprocess_env(1),
         cwd=ROOT,
         capture_output=True,
         text=True,

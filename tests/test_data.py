@@ -10,6 +10,7 @@ import textwrap
 import jax
 import numpy as np
 import pytest
+from conftest import xla_flags
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from multiprocess import tagged_json
@@ -399,7 +400,7 @@ def test_global_batch_two_processes_read_only_their_rows():
         port = s.getsockname()[1]
     env = dict(os.environ)
     env.update(
-        XLA_FLAGS="--xla_force_host_platform_device_count=4",
+        XLA_FLAGS=xla_flags(4),
         JAX_PLATFORMS="cpu",
         PYTHONPATH=REPO + os.pathsep + env.get("PYTHONPATH", ""),
     )

@@ -11,7 +11,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import pytest
-from conftest import NO_JAX_CACHE
+from conftest import xla_flags
 
 from trn_accum import cli
 from trn_accum.analysis import hlo, memory
@@ -38,8 +38,8 @@ F3B = str(ROOT / "configs" / "fuji-3b-trn2.toml")
 def test_reduced_depth_3b_dry_run_on_64_devices(mesh_sets, all_nodes):
     """2 of the 28 layers of the trn2 config, on both meshes: nothing substituted (blockwise
     attention), zero split collectives, no preflight blocker, exact per-device bytes, exit 0."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", **NO_JAX_CACHE)  # it reads XLA's dumps
-    env.pop("XLA_FLAGS", None)  # the CLI sets 64 devices itself
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = xla_flags()  # the CLI sets 64 devices itself
     sets = [a for m in mesh_sets for a in ("--set", m)]
     # the model once, on the config, its candidates on one mesh (all four: `make bench`)
     step_time = ["--step-time-meshes", "hybrid-m2"] if not mesh_sets else ["--no-step-time"]

@@ -13,6 +13,7 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import xla_flags
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -452,7 +453,7 @@ print(json.dumps(out))
 
 def test_fuji_3b_specs_on_a_64_device_trn2_node():
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=64"
+    env["XLA_FLAGS"] = xla_flags(64)
     run = subprocess.run(
         [sys.executable, "-c", SPECS_64], env=env, cwd=ROOT, capture_output=True, text=True
     )

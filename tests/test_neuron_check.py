@@ -8,7 +8,7 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import pytest
-from conftest import NO_JAX_CACHE
+from conftest import xla_flags
 
 from trn_accum import cli
 from trn_accum.neuron import kernels
@@ -23,8 +23,8 @@ PIECES = ["root", *(name for name, _ in neuron_check.ROWS)]  # root first: befor
 def test_cpu_table_every_row_passes_exit_0(tmp_path):
     """The command as a user runs it (its own 8 emulated devices): one row per piece, every
     applicable row passes, the Neuron kernels marked as CPU stand-ins, exit 0."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", **NO_JAX_CACHE)  # it reads XLA's dumps
-    env.pop("XLA_FLAGS", None)  # the command sets its devices itself
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["XLA_FLAGS"] = xla_flags()  # the command sets its devices itself
     r = subprocess.run(
         [sys.executable, "-m", "trn_accum.cli", "neuron-check", "--config", F3B,
          "--run-dir", str(tmp_path / "run"), "--json"],

@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+from conftest import xla_flags
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -64,26 +65,37 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))
 w = jax.ShapeDtypeStruct((64, 32), jnp.float32, sharding=NamedSharding(mesh, P("fsdp")))
+import os, sys
 f = jax.jit(jax.grad(lambda w: jnp.sum(jnp.square(w @ w.T))))
+f.lower(w).compile()  # a plain compile first: this process now uses the cache (JAX keeps that)
 for _ in range(2):  # the second process finds the program in the cache
     _, text = compile_partitioned(f.lower(w))
     assert "num_partitions=8" in text.split(chr(10), 1)[0]
-print("ok", jax.config.jax_enable_compilation_cache)
+entries = len(os.listdir(sys.argv[1]))
+jax.jit(lambda w: w * int(sys.argv[2])).lower(w).compile()  # new after: written to the cache
+print("ok", jax.config.jax_enable_compilation_cache, len(os.listdir(sys.argv[1])) > entries)
 """
 
 
 def test_a_persistent_compilation_cache_does_not_hide_the_partitioned_module(tmp_path):
     """With `JAX_COMPILATION_CACHE_DIR` set (the trn2 environment sets it), a second process
-    compiling the same program still gets the module: the cache is off for that compile and
-    back on after it."""
+    compiling the same program still gets the module, also after a plain compile of it in the
+    same process (JAX fixes at a process's first compile whether the cache is used): the cache
+    is off for that compile and back on after it."""
     import os
     import subprocess
     import sys
 
     env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache")}
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-    for _ in range(2):
+    env["XLA_FLAGS"] = xla_flags(8)
+    for run in range(2):
         out = subprocess.run(
-            [sys.executable, "-c", CACHED], env=env, capture_output=True, text=True, timeout=120
+            [sys.executable, "-c", CACHED, str(tmp_path / "cache"), str(3 + run)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
-        assert out.returncode == 0 and out.stdout.split() == ["ok", "True"], out.stderr[-2000:]
+        assert out.returncode == 0 and out.stdout.split() == ["ok", "True", "True"], out.stderr[
+            -2000:
+        ]

@@ -68,8 +68,12 @@ def _check_k(k: Any) -> jax.Array:
     integer = jnp.issubdtype(jnp.result_type(k), jnp.integer)
     if isinstance(k, bool) or np.ndim(k) != 0 or not integer:
         raise ValueError(f"k={k!r} must be an integer scalar >= 1 (calls per optimizer step)")
-    if not isinstance(k, jax.core.Tracer) and int(k) < 1:
-        raise ValueError(f"k={int(k)} must be >= 1 (calls per optimizer step; 1 = every call)")
+    try:
+        value = int(k)
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError):
+        value = None  # traced: its value is known only when the step runs
+    if value is not None and value < 1:
+        raise ValueError(f"k={value} must be >= 1 (calls per optimizer step; 1 = every call)")
     return jnp.asarray(k, jnp.int32)
 
 

@@ -25,6 +25,7 @@ import re
 import tempfile
 
 import jax
+from jax.experimental.compilation_cache import compilation_cache
 
 __all__ = ["PASS", "compile_partitioned"]
 
@@ -60,13 +61,20 @@ def compile_partitioned(lowered: jax.stages.Lowered) -> tuple[jax.stages.Compile
 
 @contextlib.contextmanager
 def _no_persistent_cache():
-    """JAX's persistent compilation cache off inside, restored after (a hit compiles nothing)."""
+    """JAX's persistent compilation cache off inside, restored after (a hit compiles nothing).
+
+    JAX decides once per process whether the cache is used (at the first compile) and keeps
+    that answer: the switch alone is read again only after `reset_cache()`, so the cache is
+    reset on the way in (the switch off takes effect) and on the way out (it is opened again
+    at the next compile)."""
     was = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
     try:
         yield
     finally:
         jax.config.update("jax_enable_compilation_cache", was)
+        compilation_cache.reset_cache()
 
 
 def _partitions(module_text: str) -> int:
