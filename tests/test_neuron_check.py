@@ -59,12 +59,15 @@ def _run_rows(monkeypatch, capsys, pieces, *argv):
 def test_lnc_pair_that_disagrees_fails_and_is_named(monkeypatch, capsys):
     monkeypatch.setenv("NEURON_LOGICAL_NC_CONFIG", "2")
     monkeypatch.setenv("NEURON_CC_FLAGS", "--target=trn2 --lnc=1")
-    code, out = _run_rows(monkeypatch, capsys, {"lnc", "prng"})
+    code, out = _run_rows(monkeypatch, capsys, {"lnc", "prng", "accumulate"})
     assert code == 1
     lnc = next(line for line in out.splitlines() if "  lnc  " in line)
     assert lnc.startswith("FAIL") and "NEURON_LOGICAL_NC_CONFIG=2" in lnc and "--lnc=1" in lnc
     assert out.splitlines()[-1].startswith("FAILED: lnc")
     assert any(line.startswith("pass") and "prng" in line for line in out.splitlines())
+    # the model rows would compile for the wrong devices: skipped, the row to fix named
+    accumulate = next(line for line in out.splitlines() if "  accumulate  " in line)
+    assert accumulate.startswith("skip") and "not run: lnc failed" in accumulate
 
 
 def test_attention_kernel_whose_outputs_differ_fails_and_is_named(monkeypatch, capsys):

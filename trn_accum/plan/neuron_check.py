@@ -28,6 +28,8 @@ its reference (the same program another way, on the same devices, or exact arith
     cache         the compile-cache directories writable
 
 Exit 0 only if every applicable row passes; a failing row names the piece and what it saw.
+When root, platform or lnc fails, the model rows (accumulate ... remat) are skipped: they would
+compile for devices that are not what the job gets; the report names the row to fix first.
 Off-Neuron the same rows run on emulated CPU devices with the stand-ins marked; the test suite
 runs it there.
 """
@@ -98,6 +100,22 @@ ROWS: tuple[tuple[str, Callable[[Check], tuple[str, str]]], ...] = (
 )
 
 
+#: The rows that say what this node's devices are: when one fails, the model rows below would
+#: compile and run minutes of programs for the wrong devices; they are skipped, named so.
+ENVIRONMENT = ("root", "platform", "lnc")
+MODEL_ROWS = frozenset(
+    (
+        "accumulate",
+        "reduce-once",
+        "gather-once",
+        "blockwise",
+        "neuron-flash",
+        "kernel-pair",
+        "remat",
+    )
+)
+
+
 def _row(piece: str, fn: Callable[[], tuple[str, str]]) -> Row:
     """fn() as a timed Row; a row that raises fails with its one-line cause."""
     t = time.perf_counter()
@@ -114,7 +132,8 @@ def _row(piece: str, fn: Callable[[], tuple[str, str]]) -> Row:
 
 
 def run(config_path: str, *, overrides: Sequence[str] = (), run_dir: str | None = None) -> dict:
-    """Every row, in order; a row that raises fails with its one-line cause."""
+    """Every row, in order; a row that raises fails with its one-line cause. After a failed
+    ENVIRONMENT row the MODEL_ROWS are skipped (the cheap rows still run)."""
     t0 = time.perf_counter()
     cfg = load_config(config_path, overrides)
     run_dir = run_dir or os.environ.get("TRN_ACCUM_RUN_DIR") or os.path.join("runs", "neuron-check")
@@ -122,7 +141,13 @@ def run(config_path: str, *, overrides: Sequence[str] = (), run_dir: str | None 
     on_neuron = platform.neuron_available()
     rows = [_row("root", lambda: node_rows.row_root(os.environ, on_neuron=on_neuron))]
     check = Check(cfg, run_dir)
-    rows += [_row(piece, functools.partial(fn, check)) for piece, fn in ROWS]
+    for piece, fn in ROWS:
+        broken = [r.piece for r in rows if r.piece in ENVIRONMENT and r.status == FAIL]
+        if piece in MODEL_ROWS and broken:
+            why = f"not run: {', '.join(broken)} failed (fix it first; this row compiles for it)"
+            rows.append(Row(piece, node_rows.SKIP, why))
+        else:
+            rows.append(_row(piece, functools.partial(fn, check)))
     return {
         "config": config_path,
         "backend": jax.default_backend(),
