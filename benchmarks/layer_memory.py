@@ -107,7 +107,8 @@ def main(argv=None) -> int:
         return 0
     per_layer = out["per_layer_bytes"] / 2**20
     mib = ", ".join(f"{n} layers {v / 2**20:.2f} MiB" for n, v in sizes.items())
-    print(f"{out['program']} (licm {'on' if out['licm'] else 'off'}): {mib}; {per_layer:.2f} MiB")
+    licm = "on" if out["licm"] else "off"
+    print(f"{out['program']} (licm {licm}): {mib}; {per_layer:.2f} MiB per layer")
     return 0
 
 
