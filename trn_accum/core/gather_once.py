@@ -133,7 +133,7 @@ def tie_backward(x, tree, x_spec: P | None = None, specs=None):
     data (0 x one element of each, added per device to x's cotangent): XLA:CPU drops
     optimization barriers before it schedules. `x_spec` and `specs` (a PartitionSpec per leaf
     of `tree`): how they are split over the mesh axes still automatic (None: whole). Numbers:
-    the same, unless a weight gradient is not finite (x's cotangent then is not either)."""
+    the same while those first elements are finite (else x's cotangent turns NaN there)."""
 
     @jax.custom_vjp
     def tie(x, tree):
