@@ -48,7 +48,6 @@ def _model_sizes(found, shape, kind=None):
 
 @pytest.mark.parametrize("mesh", [[], TP], ids=["data2_fsdp4", "fsdp4_model2"])
 def test_step_reduce_scatters_every_layer_and_all_reduces_no_full_fsdp_gradient(mesh, monkeypatch):
-    monkeypatch.setattr(fsdp, "TENSOR_PARALLEL", True)
     cfg = _cfg(*mesh)
     found, shape = _collectives(cfg)
     # the smallest per-layer weight whole along fsdp (split over model as its spec says): its
@@ -85,10 +84,11 @@ def test_step_reduce_scatters_every_layer_and_all_reduces_no_full_fsdp_gradient(
 
 
 @pytest.mark.parametrize(
-    "layer_loop,mesh", [("unroll", []), ("scan", []), ("scan", TP)], ids=["unroll", "scan", "tp"]
+    "layer_loop,mesh",
+    [("unroll", []), ("scan", []), ("scan", TP), ("unroll", TP)],
+    ids=["unroll", "scan", "tp", "tp_unroll"],
 )
-def test_per_device_loss_and_gradients_equal_the_partitioners(layer_loop, mesh, monkeypatch):
-    monkeypatch.setattr(fsdp, "TENSOR_PARALLEL", True)
+def test_per_device_loss_and_gradients_equal_the_partitioners(layer_loop, mesh):
     cfg = _cfg(f'model.layer_loop="{layer_loop}"', 'model.compute_dtype="float32"', *mesh)
     mesh = step.make_mesh(cfg)
     specs = step.param_specs(cfg, mesh)
@@ -116,10 +116,8 @@ def test_per_device_loss_and_gradients_equal_the_partitioners(layer_loop, mesh, 
     assert float(optax.tree.norm(jax.device_get(g1))) > 0
 
 
-@pytest.mark.parametrize("on", [False, True])
-def test_tensor_parallel_meshes_keep_the_partitioners_program_unless_switched_on(on, monkeypatch):
-    monkeypatch.setattr(fsdp, "TENSOR_PARALLEL", on)
+def test_tensor_parallel_meshes_run_the_loss_per_device_over_their_batch_axes():
     with jax.set_mesh(step.make_mesh(_cfg(*TP))):
-        assert fsdp.manual_axes() == (("fsdp",) if on else ())
+        assert fsdp.manual_axes() == ("fsdp",)
     with jax.set_mesh(step.make_mesh(_cfg())):
         assert fsdp.manual_axes() == ("data", "fsdp")

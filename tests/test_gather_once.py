@@ -15,6 +15,7 @@ from test_reduce_once import assert_norm_close, fuji_config
 from trn_accum import Strategy, accumulate_gradients
 from trn_accum.analysis.collectives import collectives, group_axes
 from trn_accum.analysis.memory import gather_once_bytes
+from trn_accum.core import gather_once
 
 SHAPE = {"data": 2, "fsdp": 2, "model": 2}
 SPECS = {"w1": P("fsdp", "model"), "w2": P("model", "fsdp"), "scale": P()}
@@ -183,3 +184,45 @@ def test_gather_once_bytes_by_hand():
     got = gather_once_bytes(params, SPECS, SHAPE, ("fsdp",), "bfloat16", "once_unsharded")
     assert got == unsharded
     assert gather_once_bytes(params, SPECS, SHAPE, ("fsdp",), "bfloat16", "per_minibatch") == 0
+
+
+def _tied_loss(tie: bool):
+    """Rows of x over "fsdp" (manual), w split over "model" (automatic): sum(tanh(x @ w)) plus
+    a term whose w-gradient is infinite where w is 0 (the tie's data dependency, on the first
+    element of each device's block of w, shows there)."""
+
+    def local(x, w):
+        if tie:
+            x, w = gather_once.tie_backward(x, w, P(), {"w": P(None, "model")})
+        w = w["w"]
+        y = jnp.sum(jnp.tanh(x @ w)) + jnp.sum(jnp.sqrt(jnp.abs(w)))
+        return jax.lax.psum(y, "fsdp")
+
+    def loss(x, w):
+        return jax.shard_map(
+            local, in_specs=(P("fsdp"), {"w": P()}), out_specs=P(), axis_names={"fsdp"}
+        )(x, w)
+
+    return jax.jit(jax.grad(loss, argnums=(0, 1)))
+
+
+@pytest.mark.parametrize("zero", [False, True], ids=["finite", "infinite_w_gradient"])
+def test_tie_backward_keeps_the_gradients_and_makes_x_cotangent_depend_on_the_tree(zero):
+    mesh = _mesh()
+    x = jax.random.normal(jax.random.key(0), (8, 16))
+    w = 0.3 * jax.random.normal(jax.random.key(1), (16, 32)) + 1.0
+    w = w.at[0, ::16].set(0.0) if zero else w  # the first element of both "model" blocks
+    w = {"w": jax.device_put(w, NamedSharding(mesh, P(None, "model")))}
+    with jax.set_mesh(mesh):
+        gx0, gw0 = _tied_loss(False)(x, w)
+        gx1, gw1 = _tied_loss(True)(x, w)
+        text = [_tied_loss(t).lower(x, w).compile().as_text() for t in (False, True)]
+    np.testing.assert_array_equal(np.asarray(gw1["w"]), np.asarray(gw0["w"]))
+    assert np.isfinite(np.asarray(gx0)).all()
+    if zero:  # the w-gradient is infinite there: x's cotangent holds 0 x inf
+        assert not np.isfinite(np.asarray(gw0["w"])).all()
+        assert np.isnan(np.asarray(gx1)).any()
+    else:
+        np.testing.assert_array_equal(np.asarray(gx1), np.asarray(gx0))
+    # the dependency is computed on each device's blocks: no collective added
+    assert len(collectives(text[1])) == len(collectives(text[0]))

@@ -43,6 +43,7 @@ __all__ = [
     "scatter",
     "scatter_fn",
     "shard_spec",
+    "tie_backward",
     "to_varying",
 ]
 
@@ -122,6 +123,49 @@ def gather_manual(x: jax.Array, g: Gather, spec: P | None = None) -> jax.Array:
     return jax.shard_map(
         lambda a: gather(a, g, None), in_specs=spec, out_specs=spec, axis_names=auto
     )(x)
+
+
+def tie_backward(x, tree, x_spec: P | None = None, specs=None):
+    """(x, tree) unchanged. In the backward pass x's cotangent is made to depend on every
+    cotangent of `tree` (a layer's weight shards: their reduce-scattered gradients), so what
+    consumes it (the previous layer's backward) runs after them: the scheduler cannot defer a
+    layer's weight gradients and keep their full-size inputs alive meanwhile. The dependency is
+    data (0 x one element of each, added per device to x's cotangent): XLA:CPU drops
+    optimization barriers before it schedules. `x_spec` and `specs` (a PartitionSpec per leaf
+    of `tree`): how they are split over the mesh axes still automatic (None: whole). Numbers:
+    the same while those first elements are finite (else x's cotangent turns NaN there)."""
+
+    @jax.custom_vjp
+    def tie(x, tree):
+        return x, tree
+
+    def fwd(x, tree):
+        return (x, tree), None
+
+    def bwd(_, cotangents):
+        gx, gtree = cotangents
+        return _after(gx, jax.tree.leaves(gtree), x_spec, specs), gtree
+
+    tie.defvjp(fwd, bwd)
+    return tie(x, tree)
+
+
+def _after(gx, leaves, x_spec, specs):
+    """gx + 0 x (the first element of each of `leaves`), computed on each device's blocks."""
+
+    def local(gx, *leaves):
+        probe = sum(jnp.ravel(g)[0].astype(jnp.float32) for g in leaves)
+        return gx + (probe * 0).astype(gx.dtype)
+
+    mesh = jax.sharding.get_abstract_mesh()
+    auto = set() if mesh.empty else set(mesh.axis_names) - set(manual_axes())
+    if not auto or x_spec is None:
+        return local(gx, *leaves)
+    in_specs = (x_spec, *jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P)))
+    out = jax.shard_map(
+        local, in_specs=in_specs, out_specs=x_spec, axis_names=auto, check_vma=False
+    )(gx, *leaves)
+    return to_varying(out, tuple(varying_axes(gx)))  # unchecked above: gx's type again
 
 
 def scatter(x: jax.Array, g: Gather) -> jax.Array:

@@ -11,6 +11,7 @@ manual (`jax.shard_map`), so each device computes its own rows:
     per layer (inside its jax.checkpoint, so the backward pass gathers again instead of
     keeping every layer's weights): w = all_gather(w_shard.astype(bf16), fsdp)
         its gradient: psum_scatter(g_bf16, fsdp)          # a reduce-scatter per fused matrix
+        (unrolled layers: before the previous layer's backward, `gather_once.tie_backward`)
     the tied table, once for the lookup and the LM head: all_gather(embed_shard.astype(bf16))
     loss = psum(sum of token losses) / psum(token count)   # over the manual axes
     the shards' gradients summed over the manual axes not sharding them ("data": float32,
@@ -32,22 +33,12 @@ from trn_accum.model import fuji
 BATCH_AXES = fuji.BATCH_AXES
 
 
-#: The per-device loss also on meshes with another automatic axis of size > 1 ("model": the 3B
-#: config's fsdp 32 x model 2). Its collectives are right there (a bf16 reduce-scatter per fused
-#: weight, no full-size fsdp all-reduce, nothing new over "model"), but XLA:CPU's compiled
-#: memory of the 3B step grows faster per unrolled layer than the partitioner's, over the
-#: 24 GiB budget at 28 layers and k=2 (docs/performance.md), so it stays off until that is
-#: understood.
-TENSOR_PARALLEL = False
-
-
 def manual_axes() -> tuple[str, ...]:
     """The batch axes of the current mesh that are still automatic, of size > 1 (a size-1 one
     would only add trivial all-reduces to the transpose; none without a mesh). The other axes
     ("model") stay automatic around the layers and manual in each weight's gather
-    (`gather_once.gather_manual`); with one of them of size > 1, () unless `TENSOR_PARALLEL`.
-    Inside another shard_map (reduce="once"'s loop) (): nested there, the program failed MLIR
-    verification (not investigated yet)."""
+    (`gather_once.gather_manual`). Inside another shard_map (reduce="once"'s loop) (): nested
+    there, the program failed MLIR verification (not investigated yet)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return ()
@@ -55,8 +46,6 @@ def manual_axes() -> tuple[str, ...]:
     if AxisType.Manual in types.values():
         return ()
     auto = [a for a, t in types.items() if t == AxisType.Auto]
-    if not TENSOR_PARALLEL and any(mesh.shape[a] > 1 for a in auto if a not in BATCH_AXES):
-        return ()
     return tuple(a for a in BATCH_AXES if a in auto and mesh.shape[a] > 1)
 
 

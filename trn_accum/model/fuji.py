@@ -36,11 +36,8 @@ from dataclasses import dataclass, field
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import AxisType
-from jax.sharding import PartitionSpec as P
 
 from trn_accum.core import gather_once
-from trn_accum.core.constraints import constrain
 from trn_accum.model.attention import IMPLS as ATTENTION_IMPLS
 from trn_accum.model.attention import attention
 from trn_accum.model.params import (  # noqa: F401  (re-exported: the model's public names)
@@ -55,6 +52,13 @@ from trn_accum.model.params import (  # noqa: F401  (re-exported: the model's pu
     param_specs,
 )
 from trn_accum.model.rope import ROPE_SCALINGS, ROPE_STYLES, apply_rope, inverse_frequencies
+from trn_accum.model.sharding import (  # noqa: F401  (re-exported)
+    BATCH_AXES,
+    activation_spec,
+    batch_groups,
+    layer_tie_specs,
+    shard_activation,
+)
 from trn_accum.model.xent import cross_entropy, lm_logits
 
 COMPUTE_DTYPES = ("bfloat16", "float32")
@@ -107,76 +111,11 @@ class ModelConfig:
     loss_chunk: int = 0  # tokens per batch shard per LM-head/cross-entropy chunk; 0 = no chunking
 
 
-BATCH_AXES = ("data", "fsdp")
-# Activation dimension kind -> mesh axes it is sharded over (those present, Auto and dividing).
-_ACTIVATION_AXES = {
-    "batch": BATCH_AXES,
-    "seq": ("seq",),
-    "heads": ("model",),
-    "ffn": ("model",),
-    "vocab": ("model",),
-}
-
 REMAT_SAVED_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "context")
 
 # A ModelConfig is a static pytree (no leaves, hashable): `jax.eval_shape(init_params, cfg, key)`
 # and `jax.jit(loss_fn)(params, batch, cfg)` treat it as a compile-time constant.
 jax.tree_util.register_static(ModelConfig)
-
-# ---------------------------------------------------------------------------------------------
-# Activation sharding
-
-
-def activation_spec(shape: tuple[int, ...], dims: tuple[str | None, ...]) -> P | None:
-    """The PartitionSpec `shard_activation` puts on an array of `shape` (None without a mesh or
-    an automatic axis): per dimension, the axes of its kind in `dims` that the current mesh
-    has, that are Auto and that keep it divisible."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return None
-    auto = {a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t == AxisType.Auto}
-    if not auto:
-        return None
-    entries = []
-    for size, kind in zip(shape, dims, strict=True):
-        chosen, n = [], 1
-        for a in _ACTIVATION_AXES.get(kind, ()):
-            if a in auto and size % (n * mesh.shape[a]) == 0:
-                chosen.append(a)
-                n *= mesh.shape[a]
-        entries.append(tuple(chosen) if len(chosen) > 1 else chosen[0] if chosen else None)
-    return P(*entries)
-
-
-def shard_activation(x, dims: tuple[str | None, ...]):
-    """Constrain activation `x` when a mesh is active (`jax.set_mesh`); otherwise return it.
-
-    `dims` names each dimension: "batch" -> the mesh's ("data", "fsdp") axes, "seq" -> "seq",
-    "heads" / "ffn" / "vocab" -> "model", None -> replicated. Only axes that exist in the current
-    mesh, are Auto (not Manual inside a shard_map, not Explicit) and keep the dimension divisible
-    are used (`activation_spec`), so the same model runs on any mesh and inside
-    `shard_map(..., axis_names={"data"})`. The constraint is `trn_accum.core.constraints.constrain`
-    on the ambient mesh.
-    """
-    spec = activation_spec(x.shape, dims)
-    if spec is None:
-        return x
-    return constrain(x, jax.sharding.get_abstract_mesh(), spec)
-
-
-def batch_groups(size: int) -> int:
-    """Shards of a "batch" dimension of `size` under the current mesh (1 without one): the
-    product of the axes `shard_activation` would use for it."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return 1
-    auto = {a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t == AxisType.Auto}
-    n = 1
-    for a in _ACTIVATION_AXES["batch"]:
-        if a in auto and size % (n * mesh.shape[a]) == 0:
-            n *= mesh.shape[a]
-    return n
-
 
 # ---------------------------------------------------------------------------------------------
 # Building blocks
@@ -332,6 +271,8 @@ def _hidden(params, table, tokens, cfg: ModelConfig, plans: dict | None):
     elif cfg.layer_loop == "unroll":
         block = _remat(block, cfg.remat, in_scan=False)
         for layer in _unstack(params["layers"], cfg.num_layers):
+            if plans:  # each layer's weight gradients before the previous layer's backward
+                x, layer = gather_once.tie_backward(x, layer, *layer_tie_specs(x, layer, cfg))
             x = block(x, layer)
     else:
         raise ValueError(f"model.layer_loop = {cfg.layer_loop!r}: not one of {LAYER_LOOPS}")
