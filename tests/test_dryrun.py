@@ -60,6 +60,9 @@ def test_reduced_depth_3b_dry_run_on_64_devices(mesh_sets, all_nodes):
     k = cfg.trainer.accum_steps
     assert rep["rows_per_node"] == 64 and rep["rows_per_device_group_per_minibatch"] == 2 // k
     assert sum(rep["split_collectives"].values()) == 0
+    # the per-device loss (model/fsdp.py): each layer's 4 fused weight gradients and the tied
+    # table's reduce-scattered over fsdp in the minibatch loop, on both meshes
+    assert rep["step_collectives"]["inside_loops"]["reduce-scatter"] == 4 * 2 + 1
     assert rep["blockers"] == []
     ways = all_nodes["fsdp"] * all_nodes["model"]
     if not mesh_sets:  # the step-time model (default on): bytes by link, bounds, a pick
