@@ -17,7 +17,7 @@ from conftest import xla_flags
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
-from trn_accum.model import fuji
+from trn_accum.model import fuji, sharding
 from trn_accum.model.attention import attention
 from trn_accum.train.config import SHARDING_RULE_SETS, ModelConfig, load_config
 
@@ -349,20 +349,20 @@ def _mesh(shape, names):
 def test_shard_activation_uses_present_auto_dividing_axes():
     x = jnp.zeros((8, 4, 6))
     dims = ("batch", None, "heads")
-    assert _constraint_specs(lambda x: fuji.shard_activation(x, dims), x) == []  # no mesh
+    assert _constraint_specs(lambda x: sharding.shard_activation(x, dims), x) == []  # no mesh
     mesh = _mesh((2, 2, 2), ("data", "fsdp", "model"))
     with jax.set_mesh(mesh):
-        assert _constraint_specs(lambda x: fuji.shard_activation(x, dims), x) == [
+        assert _constraint_specs(lambda x: sharding.shard_activation(x, dims), x) == [
             P(("data", "fsdp"), None, "model")
         ]
         # a batch of 2 only divides over "data"; 3 heads do not divide over "model"
         small = jnp.zeros((2, 4, 3))
-        assert _constraint_specs(lambda x: fuji.shard_activation(x, dims), small) == [
+        assert _constraint_specs(lambda x: sharding.shard_activation(x, dims), small) == [
             P("data", None, None)
         ]
         # inside a shard_map manual over "data", only the remaining auto axes are named
         body = jax.shard_map(
-            lambda x: fuji.shard_activation(x, dims),
+            lambda x: sharding.shard_activation(x, dims),
             in_specs=P("data"),
             out_specs=P("data"),
             axis_names={"data"},

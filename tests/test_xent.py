@@ -139,7 +139,7 @@ def test_grouped_embedding_gradient_reduced_after_the_loop(groups):
     loop no collective as large as the embedding gradient shard ([32, 16] float32, 2 KiB); with
     one group XLA reduces it there on every chunk."""
     from trn_accum.analysis.collectives import collectives
-    from trn_accum.model.fuji import batch_groups, shard_activation
+    from trn_accum.model.sharding import batch_groups, shard_activation
 
     mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "model"), (jax.sharding.AxisType.Auto,) * 3)
     hidden, embedding, labels, weights = _inputs(b=4, s=16, v=64, seed=3)

@@ -29,8 +29,7 @@ from jax.sharding import PartitionSpec as P
 
 from trn_accum.core import gather_once
 from trn_accum.model import fuji
-
-BATCH_AXES = fuji.BATCH_AXES
+from trn_accum.model.sharding import BATCH_AXES
 
 
 def manual_axes() -> tuple[str, ...]:

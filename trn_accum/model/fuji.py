@@ -52,8 +52,7 @@ from trn_accum.model.params import (  # noqa: F401  (re-exported: the model's pu
     param_specs,
 )
 from trn_accum.model.rope import ROPE_SCALINGS, ROPE_STYLES, apply_rope, inverse_frequencies
-from trn_accum.model.sharding import (  # noqa: F401  (re-exported)
-    BATCH_AXES,
+from trn_accum.model.sharding import (
     activation_spec,
     batch_groups,
     layer_tie_specs,
