@@ -14,15 +14,10 @@ import time
 import numpy as np
 import pytest
 from multiprocess import (
-    TINY_CONFIG,
-    TINY_SETS,
-    assert_losses_of_one_process,
     cpu_env,
     free_port,
     run_processes,
     tagged_json,
-    tiny_reference_losses,
-    train_losses,
 )
 
 from trn_accum.cluster import distributed as dist
@@ -587,29 +582,3 @@ def test_a_dead_peer_makes_the_other_process_exit(tmp_path):
             if p.poll() is None:
                 p.kill()
             p.wait()
-
-
-# ----------------------------------------------------------------------------- the trainer
-
-
-@pytest.mark.slow  # compiles the tiny train step twice (1 process, 2 processes)
-@pytest.mark.xdist_group("slurm")  # shares the 1-process reference run with tests/test_slurm.py
-def test_trainer_two_processes_same_losses_as_one_process(tmp_path):
-    """The tiny config, accumulation over 4 minibatches: 2 processes x 4 CPU devices through
-    jax.distributed log the losses of 1 process x 8 devices (`assert_losses_of_one_process`)."""
-    run_processes(
-        [
-            "-m",
-            "trn_accum.cli",
-            "train",
-            "--config",
-            TINY_CONFIG,
-            *TINY_SETS,
-            "--run-dir",
-            str(tmp_path / "two"),
-        ],
-        2,
-        devices_per_process=4,
-        timeout=900,
-    )
-    assert_losses_of_one_process(train_losses(tmp_path / "two"), tiny_reference_losses())
