@@ -11,22 +11,25 @@ export JAX_PLATFORMS ?= cpu
 
 .PHONY: install train test test-jax-next lint bench bench-accum dry-run system-deps clean
 
-# The venv: pip brings uv, uv installs the package and its test extra (from uv's cache, 9 s
-# against pip's 58 s on 2 cores; the same packages). uv does not byte-compile at install (pip
-# does): Python writes each module's bytecode at its first import, so make's commands do not
-# inherit a PYTHONDONTWRITEBYTECODE (with it, each of the hundreds of processes the suite
-# starts would compile the sources of JAX, torch and transformers again). uv reads pip's
-# PIP_FIND_LINKS, a local wheel folder such as the one holding a CPU build of torch, as its own
-# UV_FIND_LINKS.
-unexport PYTHONDONTWRITEBYTECODE
+# The venv: pip brings uv, uv installs the package and its test extra (from uv's cache, 23 s
+# against pip's 58 s on 2 cores; the same packages), byte-compiled at install as pip does (where
+# PYTHONDONTWRITEBYTECODE is set, each of the hundreds of processes the suite starts would
+# otherwise compile the sources of torch and transformers again). uv reads pip's PIP_FIND_LINKS,
+# a local wheel folder such as the one holding a CPU build of torch, as its own UV_FIND_LINKS,
+# and PIP_EXTRA_INDEX_URL (the CPU image's PyTorch CPU index) with pip's choice among indexes,
+# the best version of any (uv's default takes the first index that has a package).
 ifneq ($(PIP_FIND_LINKS),)
 export UV_FIND_LINKS ?= $(PIP_FIND_LINKS)
+endif
+ifneq ($(PIP_EXTRA_INDEX_URL),)
+export UV_EXTRA_INDEX_URL ?= $(PIP_EXTRA_INDEX_URL)
+export UV_INDEX_STRATEGY ?= unsafe-best-match
 endif
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check 'uv>=0.9'
-	$(VENV)/bin/uv pip install -q -p $(PY) -c constraints.txt -e '.[test]'
+	$(VENV)/bin/uv pip install -q --compile-bytecode -p $(PY) -c constraints.txt -e '.[test]'
 	touch $(STAMP)
 
 install: $(STAMP)   ## .venv with the package and its test extra
@@ -38,17 +41,13 @@ lint: $(STAMP)
 	$(PY) -m ruff check trn_accum tests benchmarks examples
 	$(PY) -m ruff format --check trn_accum tests benchmarks examples
 
-# The suite, and beside it the core tests on JAX $(JAX_NEXT) (their output after the suite's).
 # Three xdist workers on two cores: many tests wait on subprocesses, Slurm or a timer, and a
-# third worker fills that time (the suite on 2 idle cores: 744 s with -n 2, 705 s with -n 3);
-# the second pass fills what is left.
+# third worker fills that time (the suite on 2 idle cores: 744 s with -n 2, 705 s with -n 3).
+# The JAX 0.11.2 pass after it, not beside it: run together, both took longer (the suite 715 ->
+# 877 s, the pass 73 -> 218 s, fresh-clone `make test` 826 -> 888 s).
 test: $(STAMP) system-deps lint
-	@$(MAKE) --no-print-directory test-jax-next TESTS_JAX_NEXT="$(TESTS_JAX_NEXT_CORE)" \
-	  > $(NEXT_LOG) 2>&1 & next=$$!; \
-	$(PY) -m pytest -q -n 3 --dist loadgroup --durations=20; suite=$$?; \
-	wait $$next; again=$$?; \
-	echo "--- the core tests on JAX $(JAX_NEXT) (make test-jax-next, beside the suite):"; \
-	cat $(NEXT_LOG); test $$suite -eq 0 && test $$again -eq 0
+	$(PY) -m pytest -q -n 3 --dist loadgroup --durations=20
+	$(MAKE) --no-print-directory test-jax-next TESTS_JAX_NEXT="$(TESTS_JAX_NEXT_CORE)"
 
 # The second JAX pass: the core and model tests on the newest JAX the Neuron SDKs support
 # (2.34: JAX 0.10.0-0.11.2; the suite runs on constraints.txt's 0.10.0). `make test` runs the
@@ -59,7 +58,6 @@ test: $(STAMP) system-deps lint
 # test extra): seconds from uv's cache, against pip's minute.
 JAX_NEXT       ?= 0.11.2
 VENV_NEXT      ?= .venv-jax-next
-NEXT_LOG       := $(VENV_NEXT).log
 STAMP_NEXT     := $(VENV_NEXT)/.installed-stamp-$(JAX_NEXT)
 PYTHON_NEXT    ?= $(shell for v in 3.14 3.13 3.12; do \
                     for p in python$$v $${PYENV_ROOT:-$$HOME/.pyenv}/versions/$$v*/bin/python3; do \
@@ -81,7 +79,7 @@ TEST_NEXT_EXTRA := 'pytest>=8,<9' 'pytest-xdist>=3.5' 'flax>=0.12' 'equinox>=0.1
 
 $(STAMP_NEXT): pyproject.toml $(STAMP)
 	$(VENV)/bin/uv venv -q --clear -p $(PYTHON_NEXT) $(VENV_NEXT)
-	$(VENV)/bin/uv pip install -q -p $(VENV_NEXT)/bin/python -e . \
+	$(VENV)/bin/uv pip install -q --compile-bytecode -p $(VENV_NEXT)/bin/python -e . \
 	  jax==$(JAX_NEXT) jaxlib==$(JAX_NEXT) $(TEST_NEXT_EXTRA)
 	touch $(STAMP_NEXT)
 
@@ -90,8 +88,7 @@ test-jax-next:
 	@echo "test-jax-next: not run: JAX $(JAX_NEXT) needs Python >= 3.12 and none was found (python3.12-3.14 on PATH or under pyenv); set PYTHON_NEXT=/path/to/python3.12+"
 else
 test-jax-next: $(STAMP_NEXT)   ## the core and model tests on JAX $(JAX_NEXT) (.venv-jax-next)
-	$(VENV_NEXT)/bin/python -m pytest -q -n 2 --dist loadgroup -p no:cacheprovider \
-	  --basetemp $(VENV_NEXT)/pytest-tmp $(TESTS_JAX_NEXT)
+	$(VENV_NEXT)/bin/python -m pytest -q -n 2 --dist loadgroup $(TESTS_JAX_NEXT)
 endif
 
 train: $(STAMP)
