@@ -75,12 +75,14 @@ TESTS_JAX_NEXT := $(TESTS_JAX_NEXT_CORE) tests/test_gather_once.py \
 # What those tests import beyond the package: the test extra's runners and clients, not its
 # torch (PyPI's torch for Python >= 3.12 is the CUDA build, several GB; only the Hugging Face
 # test needs it, and it is not in this pass).
+# constraints.txt's ml_dtypes (its import time), with the JAX of this pass.
+ML_DTYPES := $(shell grep -E '^ml_dtypes==' constraints.txt)
 TEST_NEXT_EXTRA := 'pytest>=8,<9' 'pytest-xdist>=3.5' 'flax>=0.12' 'equinox>=0.13' filelock
 
 $(STAMP_NEXT): pyproject.toml $(STAMP)
 	$(VENV)/bin/uv venv -q --clear -p $(PYTHON_NEXT) $(VENV_NEXT)
 	$(VENV)/bin/uv pip install -q --compile-bytecode -p $(VENV_NEXT)/bin/python -e . \
-	  jax==$(JAX_NEXT) jaxlib==$(JAX_NEXT) $(TEST_NEXT_EXTRA)
+	  jax==$(JAX_NEXT) jaxlib==$(JAX_NEXT) $(ML_DTYPES) $(TEST_NEXT_EXTRA)
 	touch $(STAMP_NEXT)
 
 ifeq ($(PYTHON_NEXT),)
