@@ -157,9 +157,10 @@ def test_system_deps_script_is_valid_bash():
 
 
 def test_one_jax_version_for_the_container_the_extra_and_the_suite(parsed):
-    """constraints.txt (what `make test` installs), the `[neuron]` extra and the Neuron stage's
-    base image name the same JAX, and this suite runs on it; the extra names `nki`; the
-    neuron stage checks its image against constraints.txt and imports `nki`."""
+    """constraints.txt (what `make test` installs: JAX, and ml_dtypes for its import time), the
+    `[neuron]` extra and the Neuron stage's base image name the same JAX, and this suite runs on
+    the pins; the extra names `nki`; the neuron stage checks its image against constraints.txt
+    and imports `nki`."""
     import importlib.metadata
     import tomllib
 
@@ -168,7 +169,7 @@ def test_one_jax_version_for_the_container_the_extra_and_the_suite(parsed):
         for line in (REPO / "constraints.txt").read_text().splitlines()
         if line and not line.startswith("#")
     )
-    assert set(pins) == {"jax", "jaxlib"} and pins["jax"] == pins["jaxlib"]
+    assert set(pins) == {"jax", "jaxlib", "ml_dtypes"} and pins["jax"] == pins["jaxlib"]
     extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     extra = extra["optional-dependencies"]["neuron"]
     assert f"jax=={pins['jax']}" in extra and f"jaxlib=={pins['jaxlib']}" in extra
@@ -177,5 +178,5 @@ def test_one_jax_version_for_the_container_the_extra_and_the_suite(parsed):
     assert neuron["base"].split(":")[1].startswith(f"{pins['jax']}-neuronx")
     run = " ".join(commands(neuron, "RUN"))
     assert "constraints.txt" in run and 'python -c "import nki"' in run
-    assert importlib.metadata.version("jax") == pins["jax"]  # the suite runs on the pins
-    assert importlib.metadata.version("jaxlib") == pins["jaxlib"]
+    for name, version in pins.items():  # the suite runs on the pins
+        assert importlib.metadata.version(name) == version, name
