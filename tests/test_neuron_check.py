@@ -13,6 +13,7 @@ from conftest import xla_flags
 from trn_accum import cli
 from trn_accum.neuron import kernels
 from trn_accum.plan import neuron_check
+from trn_accum.train.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 F3B = str(ROOT / "configs" / "fuji-3b-trn2.toml")
@@ -154,3 +155,24 @@ def test_reduce_once_row_takes_the_configs_reduce_dtype_and_resets_what_it_compa
     assert {r["status"] for r in rows.values()} == {"pass"}
     assert "(once, bfloat16) vs" in rows["reduce-once"]["detail"]
     assert "mesh data 2" in rows["reduce-once"]["detail"]
+
+
+def test_rows_that_compare_against_the_same_program_run_it_once(tmp_path, monkeypatch):
+    """Check.train_step runs each config once: reduce-once's float32 "once" program is the
+    reference of gather-once (the same config), so the table compiles 5 train steps, not 6."""
+    from trn_accum.plan.probe import Check
+    from trn_accum.train import trainer as trainer_lib
+
+    builds = []
+    real_build = trainer_lib.Trainer.build
+    monkeypatch.setattr(
+        trainer_lib.Trainer,
+        "build",
+        classmethod(lambda cls, cfg, *a, **kw: builds.append(cfg) or real_build(cfg, *a, **kw)),
+    )
+    c = Check(load_config(F3B), str(tmp_path))
+    once = c.probe(data=2, accum_steps=4, reduce="once", reduce_dtype="float32")
+    assert repr(once) == repr(c.probe(data=2, accum_steps=4, reduce="once"))
+    first = c.train_step(once)
+    assert c.train_step(c.probe(data=2, accum_steps=4, reduce="once")) == first
+    assert len(builds) == 1 and first["loss"] > 0
