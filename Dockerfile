@@ -71,6 +71,7 @@ SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 # the pin `torch==2.13.0` and sorts above it.
 ENV PIP_NO_CACHE_DIR=1 \
     UV_NO_CACHE=1 \
+    UV_COMPILE_BYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu \
     PYTHONUNBUFFERED=1

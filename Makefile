@@ -11,13 +11,16 @@ export JAX_PLATFORMS ?= cpu
 
 .PHONY: install train test test-jax-next lint bench bench-accum dry-run system-deps clean
 
-# The venv: pip brings uv, uv installs the package and its test extra (from uv's cache, 23 s
-# against pip's 58 s on 2 cores; the same packages), byte-compiled at install as pip does (where
-# PYTHONDONTWRITEBYTECODE is set, each of the hundreds of processes the suite starts would
-# otherwise compile the sources of torch and transformers again). uv reads pip's PIP_FIND_LINKS,
+# The venv: pip brings uv, uv installs the package and its test extra (from uv's cache, in
+# seconds against pip's minute on 2 cores; the same packages). Not byte-compiled at install
+# (20 s for 14,000 files, most never imported): make's commands write the bytecode of what they
+# import, once, even where PYTHONDONTWRITEBYTECODE is set (else each of the hundreds of
+# processes the suite starts would compile the sources it imports again). An image sets
+# UV_COMPILE_BYTECODE=1 (the Dockerfile's CPU stage). uv reads pip's PIP_FIND_LINKS,
 # a local wheel folder such as the one holding a CPU build of torch, as its own UV_FIND_LINKS,
 # and PIP_EXTRA_INDEX_URL (the CPU image's PyTorch CPU index) with pip's choice among indexes,
 # the best version of any (uv's default takes the first index that has a package).
+unexport PYTHONDONTWRITEBYTECODE
 ifneq ($(PIP_FIND_LINKS),)
 export UV_FIND_LINKS ?= $(PIP_FIND_LINKS)
 endif
@@ -29,7 +32,7 @@ endif
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check 'uv>=0.9'
-	$(VENV)/bin/uv pip install -q --compile-bytecode -p $(PY) -c constraints.txt -e '.[test]'
+	$(VENV)/bin/uv pip install -q -p $(PY) -c constraints.txt -e '.[test]'
 	touch $(STAMP)
 
 install: $(STAMP)   ## .venv with the package and its test extra
@@ -87,7 +90,7 @@ TEST_NEXT_EXTRA := 'pytest>=8,<9' 'pytest-xdist>=3.5' 'flax>=0.12' 'equinox>=0.1
 
 $(STAMP_NEXT): pyproject.toml $(STAMP)
 	$(VENV)/bin/uv venv -q --clear -p $(PYTHON_NEXT) $(VENV_NEXT)
-	$(VENV)/bin/uv pip install -q --compile-bytecode -p $(VENV_NEXT)/bin/python -e . \
+	$(VENV)/bin/uv pip install -q -p $(VENV_NEXT)/bin/python -e . \
 	  jax==$(JAX_NEXT) jaxlib==$(JAX_NEXT) $(ML_DTYPES) $(TEST_NEXT_EXTRA)
 	touch $(STAMP_NEXT)
 
