@@ -52,8 +52,9 @@ lint: $(STAMP)
 NEXT_LOG := .test-jax-next.log
 # The pass runs in its own process group, ended with make's on Ctrl-C or SIGTERM (a background
 # job of a non-interactive shell ignores SIGINT: it would outlive an interrupted `make test`),
-# in make's session: a new session (setsid) would be a new scheduler autogroup, which Linux
-# shares the CPU with as an equal whatever its nice (the suite then took 727 s, not 680 s).
+# in make's session: a new session (setsid) is a new scheduler autogroup, which Linux shares
+# the CPU with as an equal whatever its nice (so run, the pass ended in 174 s, against 384-654 s
+# at nice 19 in make's session, and took that CPU from the suite).
 test: $(STAMP) system-deps lint
 	@rm -f $(NEXT_LOG) $(NEXT_LOG).rc; \
 	$(PY) -c 'import os, sys; os.setpgid(0, 0); os.execvp("sh", ["sh", "-c", sys.argv[1]])' \
@@ -90,9 +91,10 @@ TESTS_JAX_NEXT := $(TESTS_JAX_NEXT_CORE) tests/test_gather_once.py \
 # What those tests import beyond the package: the test extra's runners and clients, not its
 # torch (PyPI's torch for Python >= 3.12 is the CUDA build, several GB; only the Hugging Face
 # test needs it, and it is not in this pass).
+TEST_NEXT_EXTRA := 'pytest>=8,<9' 'pytest-xdist>=3.5' 'flax>=0.12' 'equinox>=0.13' filelock
+
 # constraints.txt's ml_dtypes (its import time), with the JAX of this pass.
 ML_DTYPES := $(shell grep -E '^ml_dtypes==' constraints.txt)
-TEST_NEXT_EXTRA := 'pytest>=8,<9' 'pytest-xdist>=3.5' 'flax>=0.12' 'equinox>=0.13' filelock
 
 $(STAMP_NEXT): pyproject.toml $(STAMP)
 	$(VENV)/bin/uv venv -q --clear -p $(PYTHON_NEXT) $(VENV_NEXT)
