@@ -4,11 +4,20 @@ import os
 
 # The suite's programs are tiny and compiled once each: LLVM's optimizations of XLA:CPU's
 # generated code cost more than they save. Measured on 2 idle cores (pytest -p no:cacheprovider
-# tests/test_accumulation.py tests/test_strategy.py): 60.0 s without these flags, 44.6 s with
-# them; tests/test_train.py tests/test_gather_once.py: 64.1 s -> 47.8 s. They change no HLO pass
-# (the collectives, memory and FLOPs the tests read) and every executable stays deterministic.
-# Every process the suite starts gets them (`xla_flags`); a user's run does not.
-FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+# tests/test_accumulation.py tests/test_strategy.py): 60.0 s without the first two flags, 44.6 s
+# with them; tests/test_train.py tests/test_gather_once.py: 64.1 s -> 47.8 s. The third has
+# XLA:CPU generate the fusions' code with its older LLVM IR emitters, not its MLIR fusion
+# emitters (a backend option both jaxlibs of `make test` know): `pytest -p no:xdist
+# tests/test_strategy.py tests/test_train.py` 42.2 -> 25.3 s user CPU on jaxlib 0.10.0,
+# tests/test_strategy.py 11.7 -> 6.4 s on 0.11.2. None changes the partitioned module (the
+# collectives, dtypes and FLOPs the tests read, `trn_accum.analysis.partitioned`); the third
+# changes XLA:CPU's own later passes (a scatter becomes a loop) and its fusions (float32
+# rounding may differ between two programs of the same math). Every executable stays
+# deterministic. Every process the suite starts gets them (`xla_flags`); a user's run does not.
+FAST_COMPILE_FLAGS = (
+    "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+    " --xla_backend_extra_options=xla_cpu_disable_new_fusion_emitters=true"
+)
 
 
 def xla_flags(devices: int | None = None) -> str:

@@ -42,7 +42,10 @@ def test_accum_1_vs_4_same_loss_curve_nonfinite_skip_compiled_step():
     for a, b in zip(m1, m4, strict=True):
         for key in ("loss", "grad_norm"):
             assert abs(a[key] - b[key]) <= 1e-5 * abs(a[key]), (key, a[key], b[key])
-        assert a["lr"] == b["lr"] and a["target_tokens"] == b["target_tokens"]
+        # the same float32 schedule, in two programs that XLA may fuse differently: one
+        # rounding apart at most (2**-23 relative)
+        assert a["lr"] == pytest.approx(b["lr"], rel=2**-22, abs=0)
+        assert a["target_tokens"] == b["target_tokens"]
     assert m1[-1]["loss"] < m1[0]["loss"] - 0.5  # it really trained
     flat1 = jax.tree.leaves(jax.device_get(state1["params"]))
     flat4 = jax.tree.leaves(jax.device_get(state4["params"]))
