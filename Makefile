@@ -58,20 +58,19 @@ NEXT_LOG := .test-jax-next.log
 test: $(STAMP) system-deps lint
 	@rm -f $(NEXT_LOG) $(NEXT_LOG).rc; \
 	$(PY) -c 'import os, sys; os.setpgid(0, 0); os.execvp("sh", ["sh", "-c", sys.argv[1]])' \
-	  'nice -n 19 $(MAKE) --no-print-directory test-jax-next \
-	    TESTS_JAX_NEXT="$(TESTS_JAX_NEXT_CORE)" > $(NEXT_LOG) 2>&1; echo $$? > $(NEXT_LOG).rc' & \
+	  'nice -n 19 $(MAKE) --no-print-directory test-jax-next > $(NEXT_LOG) 2>&1; \
+	    echo $$? > $(NEXT_LOG).rc' & \
 	pass=$$!; trap 'kill -TERM -$$pass 2>/dev/null; exit 130' INT TERM; \
 	$(PY) -m pytest -q -n 3 --dist loadgroup --durations=20; suite=$$?; \
 	wait $$pass; echo "--- the JAX $(JAX_NEXT) pass (run beside the suite):"; cat $(NEXT_LOG); \
 	next=$$(cat $(NEXT_LOG).rc); rm -f $(NEXT_LOG) $(NEXT_LOG).rc; exit $$(( suite || next ))
 
-# The second JAX pass: the core and model tests on the newest JAX the Neuron SDKs support
-# (2.34: JAX 0.10.0-0.11.2; the suite runs on constraints.txt's 0.10.0). `make test` runs the
-# core's (the accumulation API, its strategies, meshes and shardings, multi_steps, the loss
-# pieces) after the suite; `make test-jax-next` runs these and the model's. JAX 0.11 needs
-# Python >= 3.12: the first of python3.14, 3.13, 3.12 (on PATH, or under pyenv) is used; on a
-# machine with none the pass says so in one line and is not run. Its venv is made by uv (the
-# test extra): seconds from uv's cache, against pip's minute.
+# The second JAX pass: the core, model and HLO-reading tests on the newest JAX the Neuron SDKs
+# support (2.34: JAX 0.10.0-0.11.2; the suite runs on constraints.txt's 0.10.0), beside the
+# suite in `make test`, alone in `make test-jax-next`. JAX 0.11 needs Python >= 3.12: the first
+# of python3.14, 3.13, 3.12 (on PATH, or under pyenv) is used; on a machine with none the pass
+# says so in one line and is not run. Its venv is made by uv (the test extra): seconds from
+# uv's cache, against pip's minute.
 JAX_NEXT       ?= 0.11.2
 VENV_NEXT      ?= .venv-jax-next
 STAMP_NEXT     := $(VENV_NEXT)/.installed-stamp-$(JAX_NEXT)
@@ -80,13 +79,13 @@ PYTHON_NEXT    ?= $(shell for v in 3.14 3.13 3.12; do \
                       "$$p" -c 'import sys; assert sys.version_info >= (3, 12)' 2>/dev/null \
                       && { command -v "$$p" | grep . || echo "$$p"; } && exit; \
                     done; done)
-TESTS_JAX_NEXT_CORE := tests/test_accumulation.py tests/test_strategy.py tests/test_sharding.py \
+TESTS_JAX_NEXT := tests/test_accumulation.py tests/test_strategy.py tests/test_sharding.py \
                   tests/test_make_mesh.py tests/test_state.py tests/test_multi_steps.py \
-                  tests/test_xent.py tests/test_partitioned.py
-TESTS_JAX_NEXT := $(TESTS_JAX_NEXT_CORE) tests/test_gather_once.py \
+                  tests/test_xent.py tests/test_partitioned.py tests/test_gather_once.py \
                   tests/test_reduce_once.py tests/test_reduce_dtype.py \
                   tests/test_summaries.py tests/test_clients.py \
-                  tests/test_model.py tests/test_attention.py tests/test_fsdp_program.py
+                  tests/test_model.py tests/test_attention.py tests/test_fsdp_program.py \
+                  tests/test_hlo.py
 
 # What those tests import beyond the package: the test extra's runners and clients, not its
 # torch (PyPI's torch for Python >= 3.12 is the CUDA build, several GB; only the Hugging Face

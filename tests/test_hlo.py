@@ -144,6 +144,24 @@ def test_handwritten_module():
     assert counts["bytes_inside_loops"]["all-reduce"] == 64
 
 
+def test_tuple_element_operands_of_newer_xla():
+    """jaxlib 0.11's XLA prints a tuple element read as the operand `%t#i`: read like the
+    get-tuple-element older XLA printed (here in an unannotated loop: counted trips)."""
+    text = _HANDWRITTEN.replace(', backend_config={"known_trip_count":{"n":"4"}}', "")
+    text = text.replace("  %i = s32[] get-tuple-element(%t), index=0\n  %n", "  %n")
+    text = text.replace("compare(%i, %n)", "compare(%t#0, %n)").replace("(%w), index=1", "(%w#1)")
+    text = text.replace("ROOT %out = f32[16]{0} get-tuple-element", "ROOT %out = f32[16]{0} copy")
+    assert "%t#0" in text and "%w#1" in text and "known_trip_count" not in text
+    m, old = hlo.parse_hlo(text), hlo.parse_hlo(_HANDWRITTEN)
+    loop = m.instruction("w")
+    assert loop.trip_count is None and m.counted_trips(loop) == 4 == old.instruction("w").trip_count
+    read = m.operand_instructions(m.instruction("out"))[0]
+    assert (read.opcode, read.attrs["index"], read.operands) == ("get-tuple-element", "1", ("w",))
+    assert read.shapes == old.instruction("out").shapes and read.result_bytes == 64
+    # printed instructions only (the condition's get-tuple-element is gone, nothing added)
+    assert len(list(m.instructions())) == len(list(old.instructions())) - 1
+
+
 # ----------------------------------------------------------------------------- real programs
 
 

@@ -69,6 +69,7 @@ class HloModule:
         for comp in computations:
             for ins in comp.instructions:
                 self._by_name.setdefault(ins.name, ins)
+        self._add_tuple_element_reads()
         self._callees = {
             c.name: tuple(
                 n
@@ -81,6 +82,33 @@ class HloModule:
         self.reachable = self.reachable_from(self.entry)
         self.loop_computations = self._find_loop_computations()
         self._multipliers = self._trip_multipliers()
+
+    def _add_tuple_element_reads(self) -> None:
+        """XLA as of jaxlib 0.11 prints a read of tuple element i of `%t` as the operand
+        `%t#i`, where older XLA printed a get-tuple-element instruction. Each such operand is
+        made that instruction here, found by name only (the computations' instructions and
+        their counts are what was printed), so operand chains read alike in both forms."""
+        for ins in list(self._by_name.values()):
+            for op in ins.operands:
+                base, sep, index = op.rpartition("#")
+                src = self._by_name.get(base)
+                if not sep or not index.isdigit() or src is None or op in self._by_name:
+                    continue
+                elements = split_top_level(src.type_text.strip()[1:-1]) if src.is_tuple else []
+                t = elements[int(index)].strip() if int(index) < len(elements) else ""
+                t = re.sub(r"/\*.*?\*/", "", t).strip()
+                self._by_name[op] = Instruction(
+                    name=op,
+                    opcode="get-tuple-element",
+                    computation=src.computation,
+                    type_text=t,
+                    shapes=parse_type(t),
+                    operands=(base,),
+                    operand_text=f"%{base}",
+                    attrs={"index": index},
+                    is_root=False,
+                    line=f"%{op} = {t} get-tuple-element(%{base}), index={index}",
+                )
 
     # -- structure ---------------------------------------------------------------------
 
