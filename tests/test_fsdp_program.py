@@ -46,24 +46,27 @@ def _model_sizes(found, shape, kind=None):
     }
 
 
+def _weight_shapes(cfg, shape) -> set[tuple[int, ...]]:
+    """Each parameter's shape as one layer uses it, whole along fsdp and split over model as
+    its spec says (a layer's slice of a stacked leaf): what an FSDP gather of it gives."""
+    specs = fuji.param_specs(cfg.model, cfg.mesh.rules, shape)
+    out = set()
+    for path, s in jax.tree_util.tree_flatten_with_path(fuji.param_shapes(cfg.model))[0]:
+        spec = specs
+        for key in path:
+            spec = spec[key.key]
+        dims = zip(s.shape, tuple(spec) + (None,) * len(s.shape), strict=False)
+        full = tuple(n // shape[e] if e == "model" else n for n, e in dims)
+        out.add(full[1:] if path[0].key == "layers" else full)
+    return out
+
+
 @pytest.mark.parametrize("mesh", [[], TP], ids=["data2_fsdp4", "fsdp4_model2"])
 def test_step_reduce_scatters_every_layer_and_all_reduces_no_full_fsdp_gradient(mesh, monkeypatch):
     cfg = _cfg(*mesh)
     found, shape = _collectives(cfg)
-    # the smallest per-layer weight whole along fsdp (split over model as its spec says): its
-    # gradient's size before a scatter
-    specs = fuji.param_specs(cfg.model, cfg.mesh.rules, shape)["layers"]
-    smallest = min(
-        math.prod(
-            n // shape[e] if e == "model" else n for n, e in zip(s.shape[1:], spec[1:], strict=True)
-        )
-        for s, spec in zip(
-            jax.tree.leaves(fuji.param_shapes(cfg.model)["layers"]),
-            jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P)),
-            strict=True,
-        )
-        if len(s.shape) > 2
-    )
+    # the smallest per-layer weight matrix: its gradient's size before a scatter
+    smallest = min(math.prod(d) for d in _weight_shapes(cfg, shape) if len(d) > 1)
     scatters = [c for c in found if c.kind == "reduce-scatter"]
     full = [
         c
@@ -81,6 +84,41 @@ def test_step_reduce_scatters_every_layer_and_all_reduces_no_full_fsdp_gradient(
         monkeypatch.setattr(fsdp, "manual_axes", lambda: ())
         previous, _ = _collectives(cfg)
         assert _model_sizes(found, shape) <= _model_sizes(previous, shape, "all-reduce")
+
+
+@pytest.mark.parametrize("mesh", [[], TP], ids=["data2_fsdp4", "fsdp4_model2"])
+def test_once_gathers_weights_in_the_loop_and_reduces_shards_after_it(mesh):
+    """reduce="once" (trainer.gather "per_minibatch": the loss is given the shards, Strategy
+    gather "in_loss"): inside the minibatch loop it all-gathers exactly what the per_minibatch
+    step's loss does, each layer's weights (no activation or cotangent crosses fsdp), and
+    reduce-scatters each layer's gradients; after it, the gradients are all-reduced at their
+    shards' size, over fsdp nothing larger than a norm."""
+    cfg = _cfg('trainer.reduce="once"', *mesh)
+    assert step.strategy(cfg).gather == "in_loss"
+    found, shape = _collectives(cfg)
+    weights = _weight_shapes(cfg, shape)
+    smallest = min(math.prod(d) for d in weights if len(d) > 1)
+
+    def gathered(collectives):
+        return sorted(
+            (a.dtype, a.dims)
+            for c in collectives
+            if c.kind == "all-gather"
+            for a in c.instruction.shapes
+        )
+
+    assert all(c.in_loop for c in found if c.kind == "all-gather")
+    assert gathered(found) == gathered(_collectives(_cfg(*mesh))[0])
+    scatters = [c for c in found if c.kind == "reduce-scatter" and c.in_loop]
+    assert len(scatters) >= cfg.model.num_layers
+    after = [c for c in found if c.kind == "all-reduce" and not c.in_loop]
+    over_fsdp = [c for c in after if "fsdp" in group_axes(c.replica_groups, shape)]
+    assert all(a.size < smallest for c in over_fsdp for a in c.instruction.shapes)
+    if shape["data"] > 1:  # the one gradient reduction: over data, at the shard's size
+        grads = [c for c in after if group_axes(c.replica_groups, shape) == ("data",)]
+        assert grads and max(a.size for c in grads for a in c.instruction.shapes) < max(
+            math.prod(d) for d in weights
+        )
 
 
 @pytest.mark.parametrize(

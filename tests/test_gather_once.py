@@ -84,6 +84,44 @@ def test_mlp_equals_the_full_batch_and_gathers_outside_the_loop(gather, loop):
     assert ("all-reduce", True) not in fsdp, fsdp
 
 
+@pytest.mark.parametrize("loop", ["scan", "unroll"])
+def test_mlp_loss_given_the_shards_gathers_them_itself(loop):
+    """gather="in_loss": loss_fn gets w1 and w2 as their fsdp shards and the rows of its
+    device, and gathers the weights where it uses them (`gather_manual`: manual over "model"
+    too, which also splits them): the full batch's loss and gradients (the gradients sharded as
+    the parameters); over fsdp the weights are gathered (XLA:CPU may hoist a loop-invariant
+    gather out of the loop) and their transposes' reduce-scatters run in the loop; no gradient
+    is all-reduced over fsdp in it."""
+
+    def loss(p, b):
+        w1 = gather_once.gather_manual(p["w1"], ((0, ("fsdp",)),), P(None, "model"))
+        w2 = gather_once.gather_manual(p["w2"], ((1, ("fsdp",)),), P("model", None))
+        return _loss({**p, "w1": w1, "w2": w2}, b)
+
+    mesh = _mesh()
+    params, batch = _mlp(mesh)
+    ref = jax.jit(jax.value_and_grad(_loss))(params, batch)
+    fn = accumulate_gradients(
+        loss,
+        steps=2,
+        mesh=mesh,
+        batch_spec=P(("data", "fsdp")),
+        param_specs=SPECS,
+        weight_fn=lambda b: b["m"].sum(),
+        strategy=Strategy(loop=loop, reduce="once", gather="in_loss"),
+    )
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(fn).lower(params, batch).compile()
+        out = compiled(params, batch)
+    assert_norm_close(out, ref, rtol=1e-6)
+    assert {k: v.sharding.spec for k, v in out[1].items()} == SPECS
+    fsdp = _fsdp_collectives(compiled, mesh)
+    in_loop = loop == "scan"  # unrolled: no loop at all
+    assert "all-gather" in {kind for kind, _ in fsdp}, fsdp
+    assert ("reduce-scatter", in_loop) in fsdp, fsdp
+    assert ("all-reduce", True) not in fsdp, fsdp
+
+
 def _rel_errors(a, e):
     flat, _ = jax.tree_util.tree_flatten_with_path(a)
     out = {}

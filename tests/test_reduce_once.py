@@ -236,6 +236,33 @@ def test_trainer_step_passes_reduce_from_config():
     check_once_vs_per_minibatch(once, per, MESHES["data8"], k, factor_max=2.0 * k)
 
 
+def test_trainer_once_on_fsdp_gives_the_loss_the_shards_and_the_same_step():
+    """(data=4, fsdp=2), k=4, masks of varying length: trainer.reduce = "once" runs the loss on
+    the FSDP shards (Strategy gather "in_loss", each device's weighted loss differentiated) and
+    its step equals "per_minibatch"'s: loss, gradient norm, tokens, and the optimizer's first
+    moments (0.1 x the gradients after one step; the updated parameters themselves magnify
+    float32 rounding where a gradient entry is near 0, Adam's m / sqrt(v))."""
+    from conftest import assert_close
+
+    from trn_accum.train import loop, step
+
+    k, out = 4, {}
+    for reduce in ("once", "per_minibatch"):
+        cfg = fuji_config("data4_fsdp2", k, reduce)
+        trainer = loop.Trainer.build(cfg)
+        batch = jax.device_get(trainer.batch(0))
+        mask = np.array(batch["target_mask"])
+        mask *= np.arange(mask.shape[1]) < np.linspace(1, mask.shape[1], mask.shape[0])[:, None]
+        new, metrics = trainer.step(trainer.init(), dict(batch, target_mask=mask))
+        mu = [s.mu for s in new["opt_state"] if hasattr(s, "mu")][0]
+        out[reduce] = (step.strategy(cfg).gather, jax.device_get((mu, metrics)))
+    (gather, (mu_once, m_once)), (_, (mu_per, m_per)) = out["once"], out["per_minibatch"]
+    assert gather == "in_loss"
+    for name in ("loss", "grad_norm", "target_tokens"):
+        np.testing.assert_allclose(m_once[name], m_per[name], rtol=2e-6, err_msg=name)
+    assert_close(mu_once, mu_per, rtol=1e-5, scaled_atol=True)
+
+
 def test_size_one_data_axis_is_not_manual():
     """One trn2 node runs the hybrid mesh with data=1: "once" then has nothing to reduce over
     it and runs the per_minibatch program (XLA rejects an all-reduce manual over size-1 axes

@@ -79,8 +79,9 @@ def _check_nonfinite_step_is_skipped_and_counted(tiny_k4):
 @pytest.mark.parametrize("reduce", ["per_minibatch", "once"])
 def test_nonfinite_minibatch_is_dropped_not_the_step(reduce):
     """k = 4: a NaN target mask on minibatch 1's rows (1::4; its loss and weight NaN) drops that
-    minibatch only: the step is applied (not skipped), counts 1 in `dropped_minibatches` (4 =
-    every loss_fn call of it under "once": manual over data = 4) and equals the step with those
+    minibatch only: the step is applied (not skipped), counts 1 in `dropped_minibatches` (8 =
+    every loss_fn call of it under "once": manual over data x fsdp, the loss given the shards
+    (gather "in_loss"), 8 devices) and equals the step with those
     rows' mask 0 (which weight_fn drops as zero weight), loss, gradient norm and parameters.
     Off (the default), the same batch skips the whole step."""
     sets = ["trainer.accum_steps=4", f"trainer.reduce={reduce}", "trainer.skip_nonfinite=true"]
@@ -93,7 +94,7 @@ def test_nonfinite_minibatch_is_dropped_not_the_step(reduce):
         new, m = trainer.step(trainer.init(), dict(batch, target_mask=mask))
         out[name] = jax.device_get((new, m))
     (new_nan, m_nan), (new_zero, m_zero) = out["nan"], out["zero"]
-    assert int(m_nan["dropped_minibatches"]) == (4 if reduce == "once" else 1)
+    assert int(m_nan["dropped_minibatches"]) == (8 if reduce == "once" else 1)
     assert int(m_zero["dropped_minibatches"]) == 0
     assert int(new_nan["skipped"]) == int(new_zero["skipped"]) == 0
     for key in ("loss", "grad_norm", "target_tokens"):

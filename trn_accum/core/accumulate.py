@@ -185,7 +185,7 @@ def _accumulate(opts: _Options, params: Any, batch: Any, args: tuple) -> Any:
     batch_size, leaf_specs = validate_batch(batch, k, mesh=mesh, batch_spec=opts.batch_spec)
     rng.check_args(opts.rng_argnums, args)
     grad_shardings = leaf_shardings(opts.param_specs, params, mesh, what="param_specs")
-    fsdp = strategy.gather != "per_minibatch"  # gather="once": the FSDP axes manual too
+    fsdp = strategy.gather != "per_minibatch"  # once, once_unsharded, in_loss: FSDP axes manual
     manual = once.manual_axes_for(mesh, leaf_specs, grad_shardings, fsdp, strategy.reduce == "once")
     gathers = gather_once.plan(grad_shardings, len(jax.tree.leaves(params)), manual, fsdp)
     aux_shape, reductions = st.plan_outputs(
@@ -218,6 +218,7 @@ def _accumulate(opts: _Options, params: Any, batch: Any, args: tuple) -> Any:
             args=args,
             gathers=gathers,
             gather_dtype=_dtype(strategy.gather_dtype),
+            in_loss=strategy.gather == "in_loss",
         )
         state = None
     else:
@@ -242,20 +243,45 @@ def _loss_with_aux(opts: _Options, p, mb, *a) -> tuple:
     return st.loss_output(opts.loss_fn(p, mb, *a), opts.has_aux, opts.state_argnum is not None)
 
 
+def _weighted_value_and_grad(opts: _Options):
+    """`value_and_grad` of loss_fn for gather="in_loss": ((L_i, (aux, state)), grad of
+    w_i * L_i) with w_i = weight_fn(minibatch); the accumulator adds that gradient as it is."""
+
+    def weighted(p, mb, *a):
+        loss, rest = _loss_with_aux(opts, p, mb, *a)
+        w = minibatch_weight(opts.weight_fn, mb)
+        return w * jnp.asarray(loss).astype(jnp.float32), (loss, rest)
+
+    vg = jax.value_and_grad(weighted, has_aux=True)
+
+    def run(p, mb, *a):
+        (_, (loss, rest)), grads = vg(p, mb, *a)
+        return (loss, rest), grads
+
+    return run
+
+
 def _loop(opts, acc, params, batch, args, specs, vary, gathers=None, shards=None):
     """Run the k minibatches; returns (carry, stacked per-example aux, loss dtype, the state
     after the last one, or None: `state_argnum`).
 
     Shapes here are global, or per-device along the manual axes `vary` (reduce="once").
-    gather="once": `params` gathered, `shards` theirs; weighted gradients reduce-scattered."""
+    gather="once": `params` gathered, `shards` theirs; weighted gradients reduce-scattered.
+    gather="in_loss": `params` are the shards (loss_fn gathers them), so are their gradients:
+    the transpose of loss_fn's gathers sums the devices' gradients, so each device
+    differentiates its weighted loss w_i * L_i (not L_i, weighted after), and a non-finite
+    minibatch is dropped on every device of the loop (one device's NaN reaches the others)."""
     scatter = gather_once.scatter_fn(gathers, opts.strategy.gather)
-    add = functools.partial(acc.add, scatter=scatter)
+    in_loss = opts.strategy.gather == "in_loss"
+    add = functools.partial(acc.add, scatter=scatter, prescaled=in_loss)
     k, mesh = opts.steps, opts.mesh
     leaves, treedef = jax.tree.flatten(batch)
     stacked = jax.tree.unflatten(
         treedef, [split_leaf(x, k, mesh, s) for x, s in zip(leaves, specs, strict=True)]
     )
     vg = jax.value_and_grad(functools.partial(_loss_with_aux, opts), has_aux=True)
+    if in_loss:
+        vg = _weighted_value_and_grad(opts)
     loss_dtype = []  # filled while the body is traced
 
     def one_minibatch(mb, i, state):
@@ -273,6 +299,8 @@ def _loop(opts, acc, params, batch, args, specs, vary, gathers=None, shards=None
         g_i = jax.tree.map(lambda g: g.astype(jnp.float32), g_i)
         g_i = g_i if scatter else acc.constrain_grads(g_i)  # full-size: the shard's spec later
         ok_i = all_finite(loss_i, w_i, g_i) if opts.strategy.skip_nonfinite else None
+        if ok_i is not None and in_loss and vary:  # dropped on every device, or on none
+            ok_i = jax.lax.pmin(ok_i.astype(jnp.int32), vary) > 0
         return (loss_i, aux_i, g_i, w_i, ok_i), st.select(ok_i, new_state, state)
 
     state = st.state_arg(args, opts.state_argnum)

@@ -87,16 +87,22 @@ class Accumulator:
         return Carry(f0, f0, self.constrain_grads(zeros), aux, dropped)
 
     def add(
-        self, carry: Carry, loss_i, aux_i, g_i, w_i, ok_i=None, scatter=None
+        self, carry: Carry, loss_i, aux_i, g_i, w_i, ok_i=None, scatter=None, prescaled=False
     ) -> tuple[Carry, list]:
         """carry + minibatch i; also returns its per-example ("concat") aux leaves. `ok_i`
         (scalar bool, or None: no check) False drops the minibatch from every sum, "max" and
         "min" by selection and counts it in `dropped`. `scatter` (gather="once"): applied to
-        the weighted gradient tree before it is added."""
+        the weighted gradient tree before it is added. `prescaled` (gather="in_loss"): `g_i`
+        is already the gradient of w_i * loss_i summed over devices, added unless `ok_i` is
+        False (a zero w_i adds its zero share through it)."""
         keep = w_i != 0 if ok_i is None else (w_i != 0) & ok_i
         loss = carry.loss + jnp.where(keep, w_i * jnp.asarray(loss_i).astype(jnp.float32), 0.0)
         weight = carry.weight + jnp.where(keep, w_i, 0.0)
-        weighted = jax.tree.map(lambda g: jnp.where(keep, w_i * g, 0.0), g_i)
+        if prescaled:
+            ok = True if ok_i is None else ok_i
+            weighted = jax.tree.map(lambda g: jnp.where(ok, g, 0.0), g_i)
+        else:
+            weighted = jax.tree.map(lambda g: jnp.where(keep, w_i * g, 0.0), g_i)
         weighted = weighted if scatter is None else self.constrain_grads(scatter(weighted))
         grads = jax.tree.map(jnp.add, carry.grads, weighted)
         new_aux, per_example = [], []

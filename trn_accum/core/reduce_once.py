@@ -201,6 +201,7 @@ def run_manual(
     args: tuple,
     gathers: list | None = None,
     gather_dtype: Any = None,
+    in_loss: bool = False,
 ) -> tuple:
     """`local(params, batch, args, inner_specs, manual)` -> (loss, aux, grads, dropped) in a
     `shard_map` manual over `manual` only. Batch leaves enter split over the manual axes
@@ -210,7 +211,8 @@ def run_manual(
     reduced aux replicated; per-example aux stitched over the manual axes. With `gathers`
     (gather="once"): a parameter sharded over manual axes enters as its shard, is gathered
     (`gather_once`) and `local` also gets the shards (`shards=`); its gradient leaves sharded
-    the same way."""
+    the same way. With `in_loss` (gather="in_loss") `local` gets the shards as the parameters
+    (loss_fn gathers them where it uses them)."""
     entry = manual[0] if len(manual) == 1 else tuple(manual)
     inner_specs = [drop_axes(s, manual) for s in batch_specs]
     b_leaves, b_def = jax.tree.flatten(batch)
@@ -235,6 +237,8 @@ def run_manual(
             params = jax.tree.map(lambda p: jax.lax.pcast(p, manual, to="varying"), params)
             return local(params, batch, args, inner_specs, manual)
         shards = [gather_once.to_varying(x, manual) for x in jax.tree.leaves(params)]
+        if in_loss:
+            return local(jax.tree.unflatten(p_def, shards), batch, args, inner_specs, manual)
         full = [
             gather_once.to_varying(gather_once.gather(x, g, gather_dtype), manual)
             for x, g in zip(shards, gathers, strict=True)

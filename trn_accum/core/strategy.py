@@ -36,7 +36,7 @@ __all__ = [
 
 LOOPS = ("scan", "unroll")
 REDUCES = ("per_minibatch", "once")
-GATHERS = ("per_minibatch", "once", "once_unsharded")
+GATHERS = ("per_minibatch", "once", "once_unsharded", "in_loss")
 REDUCE_DTYPES = ("float32", "bfloat16")  # reduce="once"'s cross-replica gradient reduction
 
 
@@ -73,9 +73,12 @@ class Strategy:
     reduce: "per_minibatch" (XLA reduces each minibatch's gradient across devices) or "once":
       the loop manual over the pure data-parallel axes, one psum after it (`reduce_once`). It
       needs an explicit, row-additive `weight_fn` and `trn_accum.constrain` in `loss_fn`.
-    gather: under reduce="once", FSDP weights gathered "per_minibatch", or "once" /
-      "once_unsharded" per step (`gather_once`); gather_dtype: the dtype they travel in (None:
-      their own).
+    gather: under reduce="once", FSDP weights gathered "per_minibatch" (by XLA), "once" /
+      "once_unsharded" per step (`gather_once`), or "in_loss": the loop manual over the FSDP
+      axes too, `loss_fn` given each weight's shard (sharded over the manual axes as
+      `param_specs` says) and gathering it where it uses it, its gradient the shard's (e.g.
+      `trn_accum.model.fsdp.sharded_loss(..., given_shards=True)`, per layer); gather_dtype:
+      the dtype "once" and "once_unsharded" gather in (None: the weights' own).
     reduce_dtype: under reduce="once", the dtype the accumulated gradients cross replicas in:
       "float32" or "bfloat16" (half the bytes, bf16 rounding). Accumulation is float32.
     skip_nonfinite: drop, by selection, each loss_fn call whose loss, weight or any gradient
@@ -118,11 +121,11 @@ class Strategy:
                 "manual over the batch axes, where the weights are gathered before it): pass "
                 'reduce="once" or gather="per_minibatch"'
             )
-        if self.gather_dtype is not None and self.gather == "per_minibatch":
+        if self.gather_dtype is not None and self.gather in ("per_minibatch", "in_loss"):
             raise ValueError(
                 f"Strategy(gather_dtype={self.gather_dtype!r}) needs gather='once' or "
-                "'once_unsharded' (per_minibatch gathers are XLA's, in the weights' dtype): "
-                "pass one of them or drop gather_dtype"
+                f"'once_unsharded' ({self.gather} gathers are XLA's or loss_fn's, in the dtype "
+                "they choose): pass one of them or drop gather_dtype"
             )
         if self.reduce_dtype != "float32" and self.reduce != "once":
             raise ValueError(

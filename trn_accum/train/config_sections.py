@@ -15,6 +15,9 @@ from trn_accum.neuron.platform import DEVICE_BUDGET_GIB
 from trn_accum.train.data import DATA_KINDS
 from trn_accum.train.optim import KINDS as OPTIMIZER_KINDS
 
+# the trainer's loss gathers per minibatch itself (`train.step.strategy` picks "in_loss")
+TRAINER_GATHERS = tuple(g for g in GATHERS if g != "in_loss")
+
 SHARDING_RULE_SETS = tuple(RULES)
 # seeds feed jax.random.key (32 bits are kept on the default PRNG) and numpy's SeedSequence
 # (which refuses negatives): one range for both
@@ -77,10 +80,11 @@ class TrainerConfig:
     accum_steps: int | str = 1  # an int >= 1, or "auto" (smallest that fits memory_budget_gib)
     loop: str = field(default="scan", metadata=_choice(*ACCUM_LOOPS))  # minibatch loop
     reduce: str = field(default="per_minibatch", metadata=_choice(*GRAD_REDUCTIONS))
-    # FSDP weights: gathered in every minibatch (XLA), or once per step (needs reduce "once";
+    # FSDP weights: gathered in every minibatch (each layer's, by the loss: under reduce "once"
+    # its Strategy's gather is "in_loss"), or once per step (needs reduce "once";
     # trn_accum.core.gather_once): "once" reduce-scatters each minibatch's gradient,
     # "once_unsharded" accumulates it full-size and reduce-scatters once
-    gather: str = field(default="per_minibatch", metadata=_choice(*GATHERS))
+    gather: str = field(default="per_minibatch", metadata=_choice(*TRAINER_GATHERS))
     # the dtype of reduce "once"'s one cross-replica gradient reduction per step: "bfloat16"
     # casts the float32 accumulated gradient down for the psum (and gather "once_unsharded"'s
     # reduce-scatter) and back: half the bytes, bf16 rounding (needs reduce "once")

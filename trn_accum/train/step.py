@@ -154,18 +154,24 @@ def abstract_batch(cfg: Config, mesh: jax.sharding.Mesh, global_batch: int | Non
 
 def _loss(cfg: Config, specs):
     """The loss per device over the batch axes, each FSDP weight gathered in the layer that
-    uses it (`trn_accum.model.fsdp`): its gradients are reduce-scattered."""
-    return fsdp.sharded_loss(cfg.model, specs)
+    uses it (`trn_accum.model.fsdp`): its gradients are reduce-scattered. Under reduce "once"
+    with trainer.gather "per_minibatch" it is given the shards (`Strategy(gather="in_loss")`)."""
+    in_loss = strategy(cfg).gather == "in_loss"
+    return fsdp.sharded_loss(cfg.model, specs, given_shards=in_loss)
 
 
 def strategy(cfg: Config) -> Strategy:
-    """The accumulation Strategy of `cfg.trainer` (gradients returned in float32)."""
+    """The accumulation Strategy of `cfg.trainer` (gradients returned in float32). Under
+    reduce "once", trainer.gather "per_minibatch" is gather "in_loss": the loop manual over
+    the FSDP axes too and the loss gathering each layer's weights (not XLA, which would gather
+    the [B, S, D] embedding cotangent in every minibatch)."""
     t = cfg.trainer
     gathered = t.gather != "per_minibatch"  # the model casts every matrix to compute dtype itself
+    in_loss = t.reduce == "once" and not gathered
     return Strategy(
         loop=t.loop,
         reduce=t.reduce,
-        gather=t.gather,
+        gather="in_loss" if in_loss else t.gather,
         gather_dtype=cfg.model.compute_dtype if gathered else None,
         reduce_dtype=t.reduce_dtype,  # the one cross-replica gradient reduction
         skip_nonfinite=t.skip_nonfinite,  # all dropped: a NaN step, skipped
