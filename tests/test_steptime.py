@@ -6,6 +6,7 @@ crosses nodes (the trn2 layout at 1/8 scale).
 """
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -198,14 +199,20 @@ def test_recommend_prefers_fewer_efa_bytes_at_the_node_count():
     ]
 
 
+def _is_spec(x):
+    return isinstance(x, P)
+
+
 def test_tiny_train_step_once_reduces_over_nodes_once():
     """The real train step (tiny Fuji, k=2) on 2 "nodes" of 4 devices (data 4 x fsdp 2): with
-    reduce="once" the only cross-node traffic is one all-reduce of the float32 gradient shard
-    (+ loss, weight, token count: 12 bytes, S in all) over the 4 data
-    groups. A data group
-    (0, 2, 4, 6) has 2 devices on 2 chips in each of 2 nodes: hierarchically, a reduce-scatter
-    and an all-gather inside the node (2 x 1/2 x S on the node link) and an all-reduce of the
-    node's half across nodes (2 x 1/2 x S/2 on EFA), not a 4-device ring on EFA (2 x 3/4 x S)."""
+    reduce="once" (the loop manual over data and fsdp, the loss given the shards) the only
+    cross-node traffic is, after the loop, one all-reduce of the float32 gradient shards of the
+    FSDP-sharded leaves (S) over the 4 data groups, and one of the replicated leaves (the norm
+    scales) with the loss, weight and token count (R, 12 bytes of it) over all 8 devices. A data
+    group (0, 2, 4, 6) has 2 devices on 2 chips in each of 2 nodes: hierarchically, a
+    reduce-scatter and an all-gather inside the node (2 x 1/2 x S on the node link) and an
+    all-reduce of the node's half across nodes (2 x 1/2 x S/2 on EFA), not a 4-device ring on
+    EFA (2 x 3/4 x S); the 8-device group sends a quarter of R across nodes (2 x 1/2 x R/4)."""
     from trn_accum.analysis.memory import tree_shard_bytes
     from trn_accum.model import fuji
     from trn_accum.plan import perfmodel
@@ -218,17 +225,21 @@ def test_tiny_train_step_once_reduces_over_nodes_once():
     shape = {"data": 4, "fsdp": 2, "model": 1}
     params = jax.eval_shape(lambda: fuji.init_params(cfg.model, jax.random.key(0)))
     f32 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float32), params)
-    grad = tree_shard_bytes(f32, fuji.param_specs(cfg.model, "fsdp", shape), shape)
-    assert once["target_mesh"] == shape
-    assert once["by_link"]["efa"]["wire_bytes"] == 2 * 1 / 2 * (grad + 12) / 2
+    specs = fuji.param_specs(cfg.model, "fsdp", shape)
+    grad = tree_shard_bytes(f32, specs, shape)
+    leaves = zip(jax.tree.leaves(f32), jax.tree.leaves(specs, is_leaf=_is_spec), strict=True)
+    rep = sum(4 * math.prod(a.shape) for a, s in leaves if not any(s)) + 12
+    sharded = grad + 12 - rep
+    assert once["target_mesh"] == shape and 0 < rep < sharded
+    assert once["by_link"]["efa"]["wire_bytes"] == sharded / 2 + rep / 4
     once_cfg = perfmodel.with_choices(cfg, reduce="once")
     module = perfmodel.Programs().module(once_cfg, jax.devices()[:8], 32)[0]
     costs = steptime.collective_costs(module, shape, layout=layout)
     data_ar = [c for c in costs if c.axes == ("data",)]
     # the partitioned module reduces leaf by leaf (no backend combiner): summed over them
     assert {c.levels for c in data_ar} == {(1, 2, 2)}
-    assert sum(c.by_link["node"][0] for c in data_ar) == grad + 12.0
-    assert sum(c.by_link["efa"][0] for c in data_ar) == (grad + 12) / 2
+    assert sum(c.by_link["node"][0] for c in data_ar) == sharded
+    assert sum(c.by_link["efa"][0] for c in data_ar) == sharded / 2
     assert once["by_axes"]["data"]["loop_wire_bytes_per_minibatch"] == 0.0
     assert per_mb["by_axes"]["data"]["loop_wire_bytes_per_minibatch"] > 0
     # per_minibatch reduces over (data, fsdp) every minibatch: hierarchically its EFA share is

@@ -43,13 +43,13 @@ from jax.sharding import PartitionSpec as P
 from trn_accum.core import gather_once, mesh_types, rng
 from trn_accum.core import reduce_once as once
 from trn_accum.core import state as st
-from trn_accum.core.accumulator import Accumulator, all_finite, minibatch_weight
+from trn_accum.core.accumulator import Accumulator, all_finite, minibatch_weight, value_and_grad_fn
 from trn_accum.core.batch_rules import check_batch_spec_has_mesh, validate_batch, validate_steps
 from trn_accum.core.constraints import constrain
 from trn_accum.core.reductions import check_aux_reduction
 from trn_accum.core.specs import as_spec, check_spec_axes, is_sharding_leaf, is_spec, leaf_shardings
 from trn_accum.core.split import split_leaf
-from trn_accum.core.strategy import AccumulationStats, Strategy, from_legacy
+from trn_accum.core.strategy import AccumulationStats, Strategy, as_dtype, from_legacy
 
 __all__ = ["AccumulationStats", "Strategy", "accumulate_gradients"]
 
@@ -199,7 +199,7 @@ def _accumulate(opts: _Options, params: Any, batch: Any, args: tuple) -> Any:
         out = _loop(opts, acc, params, batch, args, specs, vary, gathers, shards)
         carry, stacked_aux, loss_dtype, state = out
         if vary:  # reduce="once": the one reduction, after the loop
-            narrow = _dtype(strategy.reduce_dtype, "float32")
+            narrow = as_dtype(strategy.reduce_dtype, "float32")
             carry = once.psum_carry(
                 carry, acc.reductions, vary, gathers, strategy.gather, narrow, grad_shardings
             )
@@ -217,14 +217,14 @@ def _accumulate(opts: _Options, params: Any, batch: Any, args: tuple) -> Any:
             batch=batch,
             args=args,
             gathers=gathers,
-            gather_dtype=_dtype(strategy.gather_dtype),
+            gather_dtype=as_dtype(strategy.gather_dtype),
             in_loss=strategy.gather == "in_loss",
         )
         state = None
     else:
         (loss, aux, grads, dropped), state = local(params, batch, args, leaf_specs, ())
 
-    dtype = _dtype(strategy.grad_dtype)  # None: each parameter's
+    dtype = as_dtype(strategy.grad_dtype)  # None: each parameter's
     grads = jax.tree.map(lambda g, p: g.astype(dtype or jnp.result_type(p)), grads, params)
     grads = acc.constrain_grads(grads)
     if opts.state_argnum is not None:
@@ -233,32 +233,9 @@ def _accumulate(opts: _Options, params: Any, batch: Any, args: tuple) -> Any:
     return (value, grads), AccumulationStats(dropped=dropped, calls=jnp.int32(calls))
 
 
-def _dtype(name: str | None, default: str | None = None) -> Any:
-    """A Strategy's dtype name as a jnp.dtype; None (or `default`'s name) -> None."""
-    return None if name is None or name == default else jnp.dtype(name)
-
-
 def _loss_with_aux(opts: _Options, p, mb, *a) -> tuple:
     """(loss, (aux, new state)) of loss_fn (aux, state None when absent; `state.loss_output`)."""
     return st.loss_output(opts.loss_fn(p, mb, *a), opts.has_aux, opts.state_argnum is not None)
-
-
-def _weighted_value_and_grad(opts: _Options):
-    """`value_and_grad` of loss_fn for gather="in_loss": ((L_i, (aux, state)), grad of
-    w_i * L_i) with w_i = weight_fn(minibatch); the accumulator adds that gradient as it is."""
-
-    def weighted(p, mb, *a):
-        loss, rest = _loss_with_aux(opts, p, mb, *a)
-        w = minibatch_weight(opts.weight_fn, mb)
-        return w * jnp.asarray(loss).astype(jnp.float32), (loss, rest)
-
-    vg = jax.value_and_grad(weighted, has_aux=True)
-
-    def run(p, mb, *a):
-        (_, (loss, rest)), grads = vg(p, mb, *a)
-        return (loss, rest), grads
-
-    return run
 
 
 def _loop(opts, acc, params, batch, args, specs, vary, gathers=None, shards=None):
@@ -267,10 +244,8 @@ def _loop(opts, acc, params, batch, args, specs, vary, gathers=None, shards=None
 
     Shapes here are global, or per-device along the manual axes `vary` (reduce="once").
     gather="once": `params` gathered, `shards` theirs; weighted gradients reduce-scattered.
-    gather="in_loss": `params` are the shards (loss_fn gathers them), so are their gradients:
-    the transpose of loss_fn's gathers sums the devices' gradients, so each device
-    differentiates its weighted loss w_i * L_i (not L_i, weighted after), and a non-finite
-    minibatch is dropped on every device of the loop (one device's NaN reaches the others)."""
+    gather="in_loss": `params` are the shards, loss_fn gathers them, its gradients summed over
+    devices: each differentiates w_i * L_i, a non-finite minibatch dropped on every device."""
     scatter = gather_once.scatter_fn(gathers, opts.strategy.gather)
     in_loss = opts.strategy.gather == "in_loss"
     add = functools.partial(acc.add, scatter=scatter, prescaled=in_loss)
@@ -279,9 +254,7 @@ def _loop(opts, acc, params, batch, args, specs, vary, gathers=None, shards=None
     stacked = jax.tree.unflatten(
         treedef, [split_leaf(x, k, mesh, s) for x, s in zip(leaves, specs, strict=True)]
     )
-    vg = jax.value_and_grad(functools.partial(_loss_with_aux, opts), has_aux=True)
-    if in_loss:
-        vg = _weighted_value_and_grad(opts)
+    vg = value_and_grad_fn(functools.partial(_loss_with_aux, opts), opts.weight_fn, in_loss)
     loss_dtype = []  # filled while the body is traced
 
     def one_minibatch(mb, i, state):
@@ -298,9 +271,8 @@ def _loop(opts, acc, params, batch, args, specs, vary, gathers=None, shards=None
         w_i = minibatch_weight(opts.weight_fn, mb)
         g_i = jax.tree.map(lambda g: g.astype(jnp.float32), g_i)
         g_i = g_i if scatter else acc.constrain_grads(g_i)  # full-size: the shard's spec later
-        ok_i = all_finite(loss_i, w_i, g_i) if opts.strategy.skip_nonfinite else None
-        if ok_i is not None and in_loss and vary:  # dropped on every device, or on none
-            ok_i = jax.lax.pmin(ok_i.astype(jnp.int32), vary) > 0
+        check = opts.strategy.skip_nonfinite  # in_loss: dropped on every device or on none
+        ok_i = all_finite(loss_i, w_i, g_i, axes=vary if in_loss else ()) if check else None
         return (loss_i, aux_i, g_i, w_i, ok_i), st.select(ok_i, new_state, state)
 
     state = st.state_arg(args, opts.state_argnum)

@@ -25,13 +25,15 @@ from trn_accum.core.constraints import constrain, constrain_leaves
 from trn_accum.core.specs import cut_spec
 from trn_accum.core.split import merge_minibatches
 
-__all__ = ["Accumulator", "Carry", "all_finite"]
+__all__ = ["Accumulator", "Carry", "all_finite", "value_and_grad_fn"]
 
 
-def all_finite(*trees: Any) -> jax.Array:
-    """Scalar bool: every element of every leaf of `trees` is finite."""
+def all_finite(*trees: Any, axes: tuple[str, ...] = ()) -> jax.Array:
+    """Scalar bool: every element of every leaf of `trees` is finite (on every device along
+    the manual mesh axes `axes`, when given)."""
     leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(trees)]
-    return jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
+    ok = jnp.all(jnp.stack(leaves)) if leaves else jnp.bool_(True)
+    return jax.lax.pmin(ok.astype(jnp.int32), axes) > 0 if axes else ok
 
 
 class Carry(NamedTuple):
@@ -184,3 +186,25 @@ def minibatch_weight(weight_fn, mb) -> jax.Array:
     if np.shape(w_i) != ():
         raise ValueError(f"weight_fn must return a scalar, got shape {np.shape(w_i)}")
     return w_i
+
+
+def value_and_grad_fn(loss_fn, weight_fn, prescaled: bool = False):
+    """`vg(p, mb, *a) -> ((loss, rest), grads)` of `loss_fn(p, mb, *a) -> (loss, rest)`.
+    `prescaled` (gather="in_loss"): the grads of w * loss, w = weight_fn(mb)
+    (`minibatch_weight`), for `Accumulator.add(prescaled=True)`: the transposes of loss_fn's
+    gathers sum the gradient over devices before any weight could be applied."""
+    if not prescaled:
+        return jax.value_and_grad(loss_fn, has_aux=True)
+
+    def weighted(p, mb, *a):
+        loss, rest = loss_fn(p, mb, *a)
+        w = minibatch_weight(weight_fn, mb)
+        return w * jnp.asarray(loss).astype(jnp.float32), (loss, rest)
+
+    vg = jax.value_and_grad(weighted, has_aux=True)
+
+    def run(p, mb, *a):
+        (_, (loss, rest)), grads = vg(p, mb, *a)
+        return (loss, rest), grads
+
+    return run

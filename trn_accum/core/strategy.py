@@ -31,6 +31,7 @@ __all__ = [
     "REDUCE_DTYPES",
     "AccumulationStats",
     "Strategy",
+    "as_dtype",
     "from_legacy",
 ]
 
@@ -136,6 +137,11 @@ class Strategy:
 
 
 LEGACY_KEYWORDS = tuple(f.name for f in dataclasses.fields(Strategy))
+
+
+def as_dtype(name: str | None, default: str | None = None) -> Any:
+    """A Strategy's dtype name as a jnp.dtype; None (or `default`'s name) -> None."""
+    return None if name is None or name == default else jnp.dtype(name)
 
 
 def from_legacy(strategy: Strategy | None, legacy: dict) -> tuple[Strategy, bool]:
