@@ -56,14 +56,14 @@ def _fsdp_collectives(compiled, mesh):
     return out
 
 
-@pytest.mark.parametrize("loop", ["scan", "unroll"])
-@pytest.mark.parametrize("gather", ["once", "once_unsharded"])
-def test_mlp_equals_the_full_batch_and_gathers_outside_the_loop(gather, loop):
+def _compiled_mlp(loss_fn, loop, gather):
+    """(mesh, the compiled k=2 reduce="once" step of `loss_fn` with `gather`, its output on
+    the MLP's inputs, the full batch's value_and_grad of `_loss`)."""
     mesh = _mesh()
     params, batch = _mlp(mesh)
     ref = jax.jit(jax.value_and_grad(_loss))(params, batch)
     fn = accumulate_gradients(
-        _loss,
+        loss_fn,
         steps=2,
         mesh=mesh,
         batch_spec=P(("data", "fsdp")),
@@ -73,7 +73,13 @@ def test_mlp_equals_the_full_batch_and_gathers_outside_the_loop(gather, loop):
     )
     with jax.set_mesh(mesh):
         compiled = jax.jit(fn).lower(params, batch).compile()
-        loss, grads = compiled(params, batch)
+        return mesh, compiled, compiled(params, batch), ref
+
+
+@pytest.mark.parametrize("loop", ["scan", "unroll"])
+@pytest.mark.parametrize("gather", ["once", "once_unsharded"])
+def test_mlp_equals_the_full_batch_and_gathers_outside_the_loop(gather, loop):
+    mesh, compiled, (loss, grads), ref = _compiled_mlp(_loss, loop, gather)
     assert_norm_close((loss, grads), ref, rtol=1e-6)  # measured 1.6e-7
     assert {k: v.sharding.spec for k, v in grads.items()} == SPECS
     fsdp = _fsdp_collectives(compiled, mesh)
@@ -98,21 +104,7 @@ def test_mlp_loss_given_the_shards_gathers_them_itself(loop):
         w2 = gather_once.gather_manual(p["w2"], ((1, ("fsdp",)),), P("model", None))
         return _loss({**p, "w1": w1, "w2": w2}, b)
 
-    mesh = _mesh()
-    params, batch = _mlp(mesh)
-    ref = jax.jit(jax.value_and_grad(_loss))(params, batch)
-    fn = accumulate_gradients(
-        loss,
-        steps=2,
-        mesh=mesh,
-        batch_spec=P(("data", "fsdp")),
-        param_specs=SPECS,
-        weight_fn=lambda b: b["m"].sum(),
-        strategy=Strategy(loop=loop, reduce="once", gather="in_loss"),
-    )
-    with jax.set_mesh(mesh):
-        compiled = jax.jit(fn).lower(params, batch).compile()
-        out = compiled(params, batch)
+    mesh, compiled, out, ref = _compiled_mlp(loss, loop, "in_loss")
     assert_norm_close(out, ref, rtol=1e-6)
     assert {k: v.sharding.spec for k, v in out[1].items()} == SPECS
     fsdp = _fsdp_collectives(compiled, mesh)
