@@ -248,6 +248,46 @@ def test_tiny_train_step_once_reduces_over_nodes_once():
     assert efa_once < efa_mb <= 1.5 * 2 * efa_once
 
 
+def test_the_pick_is_checked_at_full_depth_and_gives_way_when_it_does_not_fit(monkeypatch):
+    """4 layers, footprints extrapolated from 2 and 3: every k=2 candidate fits by them, but
+    the fastest (k=2 once, fastest by far) compiled at its full depth is 1 byte over the
+    budget: it is marked so ("fits" False, "memory_bytes_full_depth") and the next pick, k=2
+    per_minibatch, is compiled at full depth too, fits, and is recommended. Full-depth
+    compiles: those two only."""
+    from trn_accum.plan import search
+    from trn_accum.train.config import load_config
+
+    budget, full = 2 * 2**30, []
+
+    def fake(cfg, *, nodes, layout, depths, **_):
+        k, once = cfg.trainer.accum_steps, cfg.trainer.reduce == "once"
+        at_full = max(depths) >= cfg.model.num_layers
+        if at_full:
+            full.append((k, cfg.trainer.reduce))
+        s = _summary(0.0 if once else 100.0 * k, 10.0 * k, 0.01 if once else 0.2 * k, 1.0)
+        over = at_full and once or k == 1
+        target = resolve_axes(cfg.mesh.axes(), layout.devices_per_node * nodes)
+        return {**s, "depths_compiled": list(depths), "compile_s": 0.0, "target_mesh": target,
+                "mesh_shape": dict(cfg.mesh.axes()), "trips": [],
+                "memory_bytes": budget + 1 if over else budget}  # fmt: skip
+
+    monkeypatch.setattr(search, "predict", fake)
+    sets = ["trainer.accum_steps=2", "trainer.memory_budget_gib=2", "model.num_layers=4"]
+    cfg = load_config("configs/fuji-tiny.toml", sets)
+    layout = steptime.Layout(devices_per_node=4, devices_per_chip=2)
+    meshes = {"hybrid": {"data": -1, "fsdp": 2, "model": 1}}
+    st = search.explore(cfg, nodes=2, layout=layout, meshes=meshes, k_limit=2, remats=(),
+                        gathers=(), scale_nodes=(2,))  # fmt: skip
+    rows = {(c["candidate"]["k"], c["candidate"]["reduce"]): c for c in st["candidates"]}
+    assert full == [(2, "once"), (2, "per_minibatch")]
+    assert not rows[(2, "once")]["fits"]
+    assert rows[(2, "once")]["summary"]["memory_bytes_full_depth"] == budget + 1
+    assert rows[(2, "per_minibatch")]["fits"]
+    assert rows[(2, "per_minibatch")]["summary"]["memory_bytes_full_depth"] == budget
+    pick = st["recommendation"]["candidate"]
+    assert (pick["k"], pick["reduce"]) == (2, "per_minibatch")
+
+
 def test_explore_tiny_candidates_and_recommendation(monkeypatch):
     """The candidate sweep on the tiny Fuji (2 "nodes" of 4 devices), the compiles replaced by
     a fake summary (fewer EFA bytes with reduce once, more with k): every analytically fitting
