@@ -78,8 +78,10 @@ class Strategy:
       "once_unsharded" per step (`gather_once`), or "in_loss": the loop manual over the FSDP
       axes too, `loss_fn` given each weight's shard (sharded over the manual axes as
       `param_specs` says) and gathering it where it uses it, its gradient the shard's (e.g.
-      `trn_accum.model.fsdp.sharded_loss(..., given_shards=True)`, per layer); gather_dtype:
-      the dtype "once" and "once_unsharded" gather in (None: the weights' own).
+      `trn_accum.model.fsdp.sharded_loss(..., given_shards=True)`, per layer). Its gradient
+      crosses devices inside loss_fn, before any selection: loss_fn must stay finite on rows
+      of zero weight (a masked mean over max(count, 1), as fuji.mean_loss). gather_dtype: the
+      dtype "once" and "once_unsharded" gather in (None: the weights' own).
     reduce_dtype: under reduce="once", the dtype the accumulated gradients cross replicas in:
       "float32" or "bfloat16" (half the bytes, bf16 rounding). Accumulation is float32.
     skip_nonfinite: drop, by selection, each loss_fn call whose loss, weight or any gradient
