@@ -199,10 +199,6 @@ def test_recommend_prefers_fewer_efa_bytes_at_the_node_count():
     ]
 
 
-def _is_spec(x):
-    return isinstance(x, P)
-
-
 def test_tiny_train_step_once_reduces_over_nodes_once():
     """The real train step (tiny Fuji, k=2) on 2 "nodes" of 4 devices (data 4 x fsdp 2): with
     reduce="once" (the loop manual over data and fsdp, the loss given the shards) the only
@@ -227,7 +223,8 @@ def test_tiny_train_step_once_reduces_over_nodes_once():
     f32 = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float32), params)
     specs = fuji.param_specs(cfg.model, "fsdp", shape)
     grad = tree_shard_bytes(f32, specs, shape)
-    leaves = zip(jax.tree.leaves(f32), jax.tree.leaves(specs, is_leaf=_is_spec), strict=True)
+    spec_leaves = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))
+    leaves = zip(jax.tree.leaves(f32), spec_leaves, strict=True)
     rep = sum(4 * math.prod(a.shape) for a, s in leaves if not any(s)) + 12
     sharded = grad + 12 - rep
     assert once["target_mesh"] == shape and 0 < rep < sharded

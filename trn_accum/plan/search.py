@@ -143,12 +143,10 @@ def explore(
     if best is not None:  # the other remat policies, on the fastest candidate only
         others = [p for p in remats if p != cfg.model.remat]
         rows += variant(rec.Candidate(**best["candidate"]), "remat", others)
-        best = rec.recommend(rows, nodes)
     # the gather options on the fastest reduce="once" candidate that has a data axis
     once_rows = [r for r in rows if r["candidate"].reduce == "once" and _has_data(r)]
     if once_rows and gathers:
         rows += variant(min(once_rows, key=rec.sort_key)["candidate"], "gather", gathers)
-        best = rec.recommend(rows, nodes)
     best = checked_at_full_depth(cfg, rows, nodes, meshes, budget, kw)
     own = predict(cfg, nodes=nodes, **kw)
     shapes = {r["candidate"]: r["summary"]["mesh_shape"] for r in rows}
@@ -219,7 +217,7 @@ def checked_at_full_depth(cfg, rows, nodes: int, meshes, budget: float, kw) -> d
         )
         full = predict(c, nodes=nodes, **{**kw, "depths": (layers,)})
         row["summary"]["memory_bytes_full_depth"] = full["memory_bytes"]
-        row["fits"] = compiled_fits({"memory_bytes": full["memory_bytes"]}, budget)
+        row["fits"] = compiled_fits(full, budget)
 
 
 def scale_point_fits(cfg, nodes: int, layout: steptime.Layout, emulate_nodes: int) -> bool:
