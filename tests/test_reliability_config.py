@@ -9,9 +9,11 @@ from pathlib import Path
 import pytest
 
 from trn_accum.train.config import MAX_SEED, ConfigError, load_config
+from trn_accum.train.config_file import read_config_file
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "fuji-tiny.toml"
+BOM = b"\xef\xbb\xbf"  # the UTF-8 byte order mark some Windows editors write
 
 
 def _refused(path, overrides=()) -> str:
@@ -121,3 +123,42 @@ def test_max_skipped_fraction_is_free_to_change_on_resume():
     assert (
         drift.trajectory_changes(old, drift.run_record(config_to_dict(new), None), defaults) == {}
     )
+
+
+# Issue 47: config files from other editors, and a key set in the wrong section
+
+
+def test_config_file_with_a_byte_order_mark_loads_as_without(tmp_path):
+    plain = tmp_path / "plain.toml"
+    plain.write_text(f'extends = "{TINY}"\n[trainer]\nsteps = 7\n')
+    bom = tmp_path / "bom.toml"
+    bom.write_bytes(BOM + plain.read_bytes())
+    assert load_config(bom) == load_config(plain)
+    assert load_config(plain).trainer.steps == 7
+
+
+def test_not_utf8_after_a_byte_order_mark_names_the_byte_of_the_file(tmp_path):
+    data = BOM + b'[trainer]\nx = "\xff"\n'
+    p = tmp_path / "bad.toml"
+    p.write_bytes(data)
+    at = data.index(b"\xff")  # counted from the file's first byte, the mark's included
+    with pytest.raises(ConfigError, match=rf"is not UTF-8 text \(byte {at}\)"):
+        read_config_file(p)
+
+
+@pytest.mark.parametrize("where", ["set", "file"])
+def test_key_in_the_wrong_section_names_the_section_it_lives_in(tmp_path, where):
+    if where == "set":
+        msg = _refused(TINY, ["trainer.peak_lr=1e-3"])
+    else:
+        p = tmp_path / "wrong.toml"
+        p.write_text(f'extends = "{TINY}"\n[trainer]\npeak_lr = 1e-3\n')
+        msg = _refused(p)
+    assert msg.startswith("unknown key trainer.peak_lr = 0.001: "), msg
+    assert "peak_lr belongs to [optimizer], not [trainer]" in msg, msg
+    assert "write optimizer.peak_lr" in msg, msg
+
+
+def test_key_of_two_sections_names_both():
+    msg = _refused(TINY, ["mesh.seed=3"])
+    assert "seed belongs to [data] and [trainer], not [mesh]" in msg, msg

@@ -14,6 +14,8 @@ tells rank 0 and through it every other rank: all of them exit with the same lin
 failing rank. A coordinator port held by another program, a coordinator that never answers and
 a rank that never comes are named within ``TRN_ACCUM_STARTUP_TIMEOUT`` seconds (default 45) on
 every rank (`trn_accum.cluster.agreement`).
+A host whose own name gives gloo (JAX's CPU collectives) no address to bind is named the
+same way, before JAX starts (`gloo_address_problem`).
 JAX is imported inside ``initialize`` only: deriving a plan starts nothing. On Neuron,
 ``initialize`` also applies ``trn_accum.neuron.platform.trn2_env`` (the values
 ``launch/env/trn2.sh`` exports; what is already set wins) and selects the rbg PRNG.
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 from collections.abc import Mapping
 from typing import NoReturn
 
@@ -47,6 +50,8 @@ __all__ = [
     "derive_launch",
     "expand_nodelist",
     "fail_startup",
+    "gloo_address_problem",
+    "gloo_in_use",
     "initialize",
     "slurm_coordinator_port",
     "startup_timeout",
@@ -97,6 +102,48 @@ def fail_startup(error: UserError, env: Mapping[str, str] | None = None) -> NoRe
     claim = agreement.Claim(plan.process_id, plan.num_processes, plan.num_processes_from)
     line = agreement.check_count(claim, str(plan.coordinator), timeout, failed=one_line(error))
     raise LaunchError(str(line), exit_code=error.exit_code) from None
+
+
+def gloo_in_use(platforms: str | None, collectives: str | None) -> bool:
+    """Whether JAX starts gloo in this process once `jax.distributed` runs: its CPU backend
+    starts (`platforms`, the jax_platforms setting, unset or naming cpu) and the CPU
+    collectives (`collectives`, jax_cpu_collectives_implementation) are gloo."""
+    cpu = not platforms or "cpu" in [p.strip().lower() for p in platforms.split(",")]
+    return cpu and collectives == "gloo"
+
+
+def gloo_address_problem(hostname: str) -> str | None:
+    """None when gloo can listen here; else one line naming `hostname` (this host's name).
+
+    JAX gives gloo neither an address nor an interface, so gloo resolves the host's own name
+    (getaddrinfo, IPv4 or IPv6) and binds the first address that binds: a name missing from
+    /etc/hosts and DNS (some container runtimes) fails there, as does one resolving only to
+    addresses of other hosts. GLOO_SOCKET_IFNAME is PyTorch's: JAX's gloo does not read it."""
+    fix = (
+        f"add '<this host's address> {hostname}' to /etc/hosts (127.0.0.1 when every process "
+        f"runs on this host); JAX's gloo takes no interface setting (GLOO_SOCKET_IFNAME is "
+        f"PyTorch's)"
+    )
+    try:
+        infos = socket.getaddrinfo(hostname, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as e:
+        why = getattr(e, "strerror", None) or str(e)
+        return (
+            f"this host's name {hostname!r} does not resolve ({why}): JAX's CPU collectives "
+            f"(gloo) listen on the address the host name resolves to; {fix}"
+        )
+    for family, kind, proto, _, address in infos:
+        try:
+            with socket.socket(family, kind, proto) as s:
+                s.bind((address[0], 0, *address[2:]))
+            return None
+        except OSError:
+            continue
+    shown = ", ".join(sorted({str(info[4][0]) for info in infos}))
+    return (
+        f"this host's name {hostname!r} resolves to {shown}, no address of this host: JAX's "
+        f"CPU collectives (gloo) listen on the address the host name resolves to; {fix}"
+    )
 
 
 def on_neuron() -> bool:
@@ -168,7 +215,12 @@ def initialize(
         kwargs["heartbeat_timeout_seconds"] = int(heartbeat_timeout_seconds)
     # the coordinator's count rules in JAX: compare every rank's first (agreement.py)
     claim = agreement.Claim(plan.process_id, plan.num_processes, plan.num_processes_from)
-    problem = agreement.check_count(claim, str(plan.coordinator), initialization_timeout)
+    failed = None  # gloo's own-address lookup, which would fail in JAX with a C++ enforce
+    if gloo_in_use(jax.config.jax_platforms, jax.config.jax_cpu_collectives_implementation):
+        failed = gloo_address_problem(socket.gethostname())
+    problem = agreement.check_count(
+        claim, str(plan.coordinator), initialization_timeout, failed=failed
+    )
     if problem is not None:
         raise LaunchError(problem)
     if plan.mode == "slurm":

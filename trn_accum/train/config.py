@@ -151,14 +151,25 @@ def _build_section(name: str, cls: type, values: Mapping[str, Any]):
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for key, value in values.items():
         if key not in fields:
-            raise ConfigError(
-                f"unknown key {name}.{key} = {value!r}; allowed keys in [{name}]: "
-                f"{', '.join(fields)}"
-            )
+            raise ConfigError(_unknown_key(name, key, value, fields))
         choices = fields[key].metadata.get("choices")
         _check_type(f"{name}.{key}", value, hints[key], choices)
     kwargs = {k: float(v) if hints[k] is float else v for k, v in values.items()}
     return cls(**kwargs)
+
+
+def _unknown_key(section: str, key: str, value: Any, allowed: Iterable[str]) -> str:
+    """The one line for `section.key = value` where [section] has no such key: the section(s)
+    that do have it (a key set in the wrong section), else the keys [section] allows."""
+    homes = [n for n, cls in SECTIONS.items() if key in {f.name for f in dataclasses.fields(cls)}]
+    head = f"unknown key {section}.{key} = {value!r}"
+    if not homes:
+        return f"{head}; allowed keys in [{section}]: {', '.join(allowed)}"
+    where = " and ".join(f"[{n}]" for n in homes)
+    return (
+        f"{head}: {key} belongs to {where}, not [{section}]; write {homes[0]}.{key} "
+        f"(with --set) or put it under [{homes[0]}] in the config file"
+    )
 
 
 def _describe(tp, choices) -> str:

@@ -11,6 +11,7 @@ their keys mean, is `trn_accum.train.config`'s business; every problem here rais
 
 from __future__ import annotations
 
+import codecs
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -65,18 +66,21 @@ def _read_with_bases(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
+    """The TOML of `path`. A leading UTF-8 byte order mark (some Windows editors write one) is
+    skipped: tomllib would refuse it as an invalid statement at line 1, column 1."""
     try:
-        with path.open("rb") as f:
-            raw = tomllib.load(f)
+        data = path.read_bytes()
     except FileNotFoundError:
         raise ConfigError(f"config file {str(path)!r} does not exist") from None
     except OSError as e:
         raise ConfigError(f"config file {str(path)!r} cannot be read: {e.strerror}") from None
+    bom = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
+    try:
+        return tomllib.loads(data[bom:].decode("utf-8"))
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
     except UnicodeDecodeError as e:
         raise ConfigError(
-            f"config file {str(path)!r} is not UTF-8 text (byte {e.start}): pass a TOML config "
-            f"file such as configs/fuji-tiny.toml"
+            f"config file {str(path)!r} is not UTF-8 text (byte {bom + e.start}): pass a TOML "
+            f"config file such as configs/fuji-tiny.toml"
         ) from None
-    return raw
