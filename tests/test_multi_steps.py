@@ -144,6 +144,52 @@ def test_nonfinite_minibatch_dropped(problem):
     assert_close(state.inner_opt_state, tx.init(params).inner_opt_state, rtol=0)  # kept
 
 
+def feed(tx, params, minibatches, weights):
+    """jit(tx.update) over (minibatch, weight=w) pairs from `tx.init(params)`, params fixed.
+    Returns (the state after each call, the updates of each call)."""
+    state, update, states, outs = tx.init(params), jax.jit(tx.update), [], []
+    for mb, w in zip(minibatches, weights, strict=True):
+        updates, state = update(grad_fn(params, mb), state, params, weight=jnp.float32(w))
+        states.append(state)
+        outs.append(updates)
+    return states, outs
+
+
+def test_all_zero_weight_step_leaves_params_and_adam_untouched(problem):
+    """After one real Adam step, a step whose every call has weight 0 (every minibatch all
+    padding) returns exactly zero updates and leaves Adam's mu, nu and count bit for bit as
+    they were, as a step of dropped calls does; the step still counts as a step."""
+    params, _, mbs = problem
+    tx = multi_steps(optax.adam(1e-1), K)
+    states, outs = feed(tx, params, mbs + mbs, [1.0] * K + [0.0] * K)
+    after_real = states[K - 1].inner_opt_state
+    assert int(after_real[0].count) == 1 and float(jnp.max(jnp.abs(after_real[0].mu["w"]))) > 0
+    for u in outs[K:]:
+        assert all(np.array_equal(x, np.zeros_like(x)) for x in jax.tree.leaves(u))
+    final = states[-1]
+    pairs = zip(jax.tree.leaves(final.inner_opt_state), jax.tree.leaves(after_real), strict=True)
+    assert all(np.array_equal(a, b) for a, b in pairs)
+    assert int(final.gradient_step) == 2 and int(final.dropped) == 0
+
+
+def test_negative_or_nonfinite_weight_dropped_and_counted(problem):
+    """Weights (3, -1): the call of weight -1 is dropped and counted, so the step is the first
+    minibatch's own descent step (weighting it by -1 would have stepped uphill); an infinite
+    or NaN weight is dropped and counted the same way."""
+    params, _, mbs = problem
+    tx = multi_steps(optax.sgd(1e-2), 2)
+    states, outs = feed(tx, params, [mbs[0], mbs[2]], [3.0, -1.0])
+    expected = jax.tree.map(lambda g: -1e-2 * g, grad_fn(params, mbs[0]))
+    assert int(states[-1].dropped) == 1
+    assert rel_err(outs[-1], expected) <= 1e-5
+    stepped = optax.apply_updates(params, outs[-1])
+    assert float(loss_fn(stepped, mbs[0])) < float(loss_fn(params, mbs[0]))  # downhill
+    states, outs = feed(tx, params, mbs, [jnp.inf, 2.0, jnp.nan, 1.0])  # two steps of 2
+    assert int(states[-1].dropped) == 2
+    for out, kept in ((outs[1], mbs[1]), (outs[3], mbs[3])):
+        assert rel_err(out, jax.tree.map(lambda g: -1e-2 * g, grad_fn(params, kept))) <= 1e-5
+
+
 def test_value_is_checked_and_passed_on_as_the_weighted_mean(problem):
     """update(..., value=loss_i): a non-finite value drops its minibatch, and the inner
     transformation receives the step's token-weighted mean loss, the full batch's loss."""
@@ -204,10 +250,14 @@ def test_sharded_params(problem):
 
 
 def test_user_errors():
-    """A k below 1 or not an integer, batch= without weight_fn, weight_fn without batch=."""
-    for k in (0, 2.0, True):
-        with pytest.raises(ValueError, match="k="):
+    """k not a positive integer (a string, a list, 0, a float, a bool, an array) names k and
+    the rule; batch= without weight_fn, weight_fn without batch=."""
+    for k in ("4", [2, 2], 0, -3, 2.0, True, jnp.array([2, 2])):
+        with pytest.raises(ValueError) as e:
             multi_steps(optax.sgd(1.0), k)
+        assert f"k={k!r}" in str(e.value) and "must be a positive integer" in str(e.value)
+    with pytest.raises(ValueError, match=r"k=\[3\] must be a positive integer"):
+        with_k(multi_steps(optax.sgd(1.0), 2).init({"w": jnp.ones(3)}), [3])
     params, grads = {"w": jnp.ones(3)}, {"w": jnp.ones(3)}
     plain = multi_steps(optax.sgd(1.0), 2)
     with pytest.raises(ValueError, match="weight_fn"):

@@ -10,9 +10,11 @@ and returns its updates (zeros on the other calls). With w_i the minibatch's num
 target tokens this is the full batch's gradient, as `accumulate_gradients(weight_fn=...)` gives:
 the same carry (`core.accumulator.Accumulator`: add, finish) does the weighting here, so a
 zero-weight minibatch is dropped by selection, and a minibatch whose gradient, weight (or
-`value`) is not finite is dropped and counted as `skip_nonfinite` does. A step whose every
-minibatch was dropped applies nothing (zero updates, inner state kept). `optax.MultiSteps`
-instead averages minibatch means (wrong when the w_i differ) and branches with `lax.cond`.
+`value`) is not finite, or whose weight is negative, is dropped and counted in `state.dropped`
+(as `skip_nonfinite` does; a traced weight cannot raise). A step that kept nothing (Σ w_i = 0:
+every weight 0, or every call dropped) applies nothing: zero updates, inner state (Adam's
+moments and count) unchanged. `optax.MultiSteps` instead averages minibatch means (wrong when
+the w_i differ) and branches with `lax.cond`.
 
 How the weight reaches `update` (optax's extra-args convention):
 
@@ -55,7 +57,7 @@ class MultiStepsState(NamedTuple):
     k: jax.Array  # int32 []: calls per step; `with_k` changes it without a recompile
     inner_opt_state: Any
     acc: Carry  # float32 sums of the current step: Σ w·L, Σ w, Σ w·g, dropped calls
-    dropped: jax.Array  # int32 []: minibatches dropped as non-finite since init
+    dropped: jax.Array  # int32 []: calls dropped since init (non-finite, or a weight < 0)
 
     @property
     def acc_grads(self) -> Any:
@@ -64,17 +66,28 @@ class MultiStepsState(NamedTuple):
 
 
 def _check_k(k: Any) -> jax.Array:
-    """k as an int32 scalar array; ValueError for a non-integer, non-scalar or concrete k < 1."""
-    integer = jnp.issubdtype(jnp.result_type(k), jnp.integer)
-    if isinstance(k, bool) or np.ndim(k) != 0 or not integer:
-        raise ValueError(f"k={k!r} must be an integer scalar >= 1 (calls per optimizer step)")
+    """k as an int32 scalar array. ValueError naming k and the rule unless k is a positive
+    integer scalar: a Python or numpy int, or an integer array of shape () (traced: its value
+    is known only when the step runs). Strings, lists, bools and floats are refused."""
+    rule = "must be a positive integer (calls per optimizer step, e.g. k=4; 1 = every call)"
+    if isinstance(k, (bool, np.bool_)) or not _is_integer_scalar(k):
+        raise ValueError(f"multi_steps: k={k!r} {rule}")
     try:
         value = int(k)
     except (jax.errors.ConcretizationTypeError, jax.errors.TracerIntegerConversionError):
-        value = None  # traced: its value is known only when the step runs
-    if value is not None and value < 1:
-        raise ValueError(f"k={value} must be >= 1 (calls per optimizer step; 1 = every call)")
-    return jnp.asarray(k, jnp.int32)
+        return jnp.asarray(k, jnp.int32)  # traced
+    if not 1 <= value <= np.iinfo(np.int32).max:
+        limit = "" if value < 1 else f" of at most {np.iinfo(np.int32).max} (int32)"
+        raise ValueError(f"multi_steps: k={value} {rule}{limit}")
+    return jnp.asarray(value, jnp.int32)
+
+
+def _is_integer_scalar(k: Any) -> bool:
+    """k is an int, a numpy integer or an integer array of shape () (jax or numpy)."""
+    if isinstance(k, (int, np.integer)):
+        return True
+    dtype = getattr(k, "dtype", None)
+    return dtype is not None and np.shape(k) == () and jnp.issubdtype(dtype, jnp.integer)
 
 
 def with_k(state: MultiStepsState, k: Any) -> MultiStepsState:
@@ -95,7 +108,8 @@ def multi_steps(
 
     Args:
       inner: the optax transformation applied once per step.
-      k: calls per step, an int >= 1 or an int32 scalar array (the initial `state.k`).
+      k: calls per step, a positive int or an integer scalar array (the initial `state.k`);
+        anything else ("4", [2, 2], 0, True, 2.0) is a ValueError naming k.
       weight_fn: `weight_fn(minibatch) -> scalar` w_i, as `accumulate_gradients` takes it;
         `update` then needs `batch=minibatch`. None: `update(..., weight=w_i)`, default 1.
 
@@ -116,7 +130,8 @@ def multi_steps(
         w_i = _weight(weight_fn, extra_args)
         value = extra_args.pop("value", None)
         g_i = jax.tree.map(lambda g: jnp.asarray(g, jnp.float32), updates)
-        ok = all_finite(w_i, g_i) if value is None else all_finite(w_i, g_i, value)
+        finite = all_finite(w_i, g_i) if value is None else all_finite(w_i, g_i, value)
+        ok = finite & (w_i >= 0)  # a negative weight would step uphill: dropped, counted
         loss_i = jnp.float32(0.0) if value is None else value
         carry, _ = acc.add(state.acc, loss_i, None, g_i, w_i, ok)
         calls = state.mini_step + 1
@@ -126,7 +141,9 @@ def multi_steps(
         grads = optax.tree.cast_like(grads, updates)
         new_updates, new_inner = inner.update(grads, state.inner_opt_state, params, **extra_args)
         emit = calls >= state.k
-        applied = emit & all_finite(grads)  # not finite: every minibatch of the step dropped
+        # Nothing kept (every weight 0, or every call dropped: Σ w = 0) applies nothing, as
+        # does a sum that overflowed.
+        applied = emit & (carry.weight > 0) & all_finite(grads)
         new_inner = jax.tree.map(
             lambda new, old: jnp.where(applied, new, old).astype(jnp.result_type(old)),
             new_inner,
