@@ -314,6 +314,8 @@ def test_eval_tokens_refuses_bad_rows(tmp_path):
         ([[1, -1, 3]], "row 0 has padding (a negative id) at column 1 before a token"),
         ([[1, 9, 3]], "id 9 at row 0, column 1 is >= the model's vocabulary (8)"),
         ([1, 2, 3], "an integer array [N, S] with S >= 2 is needed"),
+        ([[7, -1, -1], [-1, -1, -1]], "no row has a target (2 rows, each empty, all padding"),
+        (np.zeros((0, 5), np.int64), "no row has a target (0 rows"),
     ):
         np.save(path, np.asarray(bad))
         with pytest.raises(llama.InteropError, match=re.escape(needle)):
@@ -389,3 +391,66 @@ def test_3b_wide_layer_materialized(tmp_path):
     hf_q = tensors["model.layers.0.self_attn.q_proj.weight"].astype(np.float32)  # [H*Dh, D]
     np.testing.assert_array_equal(q[:, 5, 2], hf_q[5 * 128 + 1])  # pair 1, first: x[1]
     np.testing.assert_array_equal(q[:, 5, 3], hf_q[5 * 128 + 64 + 1])  # its partner x[65]
+
+
+# ---------------------------------------------------------------------------------------------
+# What generation needs: import-hf keeps it, export-hf writes it back
+
+
+def greedy(model, prompt, steps):
+    """transformers' greedy continuation of `prompt` ([1, P]), `steps` tokens, by argmax of
+    the forward pass (no eos involved)."""
+    ids = prompt
+    with torch.no_grad():
+        for _ in range(steps):
+            ids = torch.cat([ids, model(input_ids=ids).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    return ids[0, prompt.shape[1] :].tolist()
+
+
+def first_new(tokens, at_least):
+    """The first position k >= at_least whose token did not occur before it."""
+    return next(k for k in range(at_least, len(tokens)) if tokens[k] not in tokens[:k])
+
+
+def test_generation_stops_at_the_imported_eos(reference, tmp_path):
+    """The eos ids (a list, from generation_config.json, over config.json's) and the original
+    max_position_embeddings survive import-hf -> export-hf; transformers' generate on the
+    export stops at the eos the greedy continuation reaches, not at max_new_tokens; export's
+    --eos-token-id replaces it."""
+    model = transformers.LlamaForCausalLM.from_pretrained(reference["dir"], dtype=torch.float32)
+    prompt = torch.tensor([[5, 17, 300, 42]])
+    cont = greedy(model.eval(), prompt, 12)
+    k, j = first_new(cont, 4), first_new(cont, 1)
+    unused = next(t for t in range(512) if t not in cont)
+    hf = tmp_path / "hf"
+    shutil.copytree(reference["dir"], hf)
+    cfg = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps({**cfg, "max_position_embeddings": 4096}))
+    gen = {"bos_token_id": 1, "eos_token_id": [cont[k], unused]}
+    (hf / "generation_config.json").write_text(json.dumps(gen))
+
+    convert.import_hf(str(hf), TINY, list(SETS), str(tmp_path / "run"))
+    out = tmp_path / "out"
+
+    def generate(**tokens):
+        convert.export_hf(str(tmp_path / "run"), str(out), "float32", tokens)
+        back = transformers.LlamaForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+        ids = back.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)
+        return ids[0, prompt.shape[1] :].tolist()
+
+    assert generate() == cont[: k + 1]  # stopped at cont[k], k + 1 < 12 tokens
+    config = json.loads((out / "config.json").read_text())
+    assert config["eos_token_id"] == [cont[k], unused] and config["bos_token_id"] == 1
+    assert config["max_position_embeddings"] == 4096
+    assert json.loads((out / "generation_config.json").read_text()) == gen
+    assert generate(eos_token_id=cont[j]) == cont[: j + 1]
+    print(f"\ngenerate stops at eos: {cont[: k + 1]} of {cont}; with --eos-token-id: {j + 1}")
+
+
+def test_export_token_flags_parse():
+    from trn_accum.cli import build_parser
+
+    args = build_parser().parse_args(["export-hf", "r", "o", "--eos-token-id", "5,6"])
+    assert (args.eos_token_id, args.bos_token_id, args.pad_token_id) == ([5, 6], None, None)
+    args = build_parser().parse_args(["export-hf", "r", "o", "--bos-token-id", "1"])
+    assert args.bos_token_id == 1

@@ -1,7 +1,8 @@
 """The `import-hf`, `export-hf` and `eval` subcommands of `trn-accum` (registered by trn_accum.cli).
 
     trn-accum import-hf HF_DIR --config FILE [--set SECTION.KEY=VALUE ...] --run-dir DIR
-    trn-accum export-hf RUN_DIR OUT_DIR [--dtype bfloat16|float32]
+    trn-accum export-hf RUN_DIR OUT_DIR [--dtype bfloat16|float32] [--eos-token-id ID[,ID]]
+                        [--bos-token-id ID] [--pad-token-id ID]
     trn-accum eval --run-dir DIR (--data TOKEN_DIR | --tokens FILE.npy) [--json]
 
 JAX and the converters are imported inside the commands, as trn_accum.cli does for its own.
@@ -9,10 +10,18 @@ JAX and the converters are imported inside the commands, as trn_accum.cli does f
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 
 from trn_accum.errors import EXIT_OK
+
+# export-hf's flags for what generation needs (over the ids import-hf kept from the checkpoint)
+TOKEN_FLAGS = {
+    "bos_token_id": "the id generation starts from",
+    "eos_token_id": "the id(s) generation stops at: ID or ID,ID,...",
+    "pad_token_id": "the padding id of batched generation",
+}
 
 
 def _cmd_import(args) -> int:
@@ -31,10 +40,22 @@ def _cmd_import(args) -> int:
 def _cmd_export(args) -> int:
     from trn_accum.interop import convert
 
-    files = convert.export_hf(args.run_dir, args.out_dir, args.dtype)
+    tokens = {k: getattr(args, k) for k in TOKEN_FLAGS}
+    files = convert.export_hf(args.run_dir, args.out_dir, args.dtype, tokens)
     if files:
         print(f"wrote {', '.join(files)} ({args.dtype}) to {args.out_dir}")
     return EXIT_OK
+
+
+def token_ids(text: str) -> int | list[int]:
+    """An argparse type: "128001" -> 128001, "128001,128009" -> [128001, 128009]."""
+    try:
+        ids = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a token id (an integer, or integers joined by commas)"
+        ) from None
+    return ids[0] if len(ids) == 1 else ids
 
 
 def _cmd_eval(args) -> int:
@@ -75,6 +96,8 @@ def add_parsers(sub) -> None:
     ex.add_argument("run_dir", metavar="RUN_DIR")
     ex.add_argument("out_dir", metavar="OUT_DIR", help="config.json + safetensors go here")
     ex.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    for key, help_ in TOKEN_FLAGS.items():
+        ex.add_argument(f"--{key.replace('_', '-')}", type=token_ids, dest=key, help=help_)
     ex.set_defaults(func=_cmd_export)
 
     ev = sub.add_parser("eval", help="mean next-token cross-entropy of a run's newest checkpoint")

@@ -8,10 +8,12 @@ before the run dir is touched: a refused import writes nothing there. Each param
 assembled on the host (one at a time, float32) and placed in its sharding; the optimizer state
 is created on the devices.
 
-`export_hf` restores only the parameters of the newest checkpoint, sharded into the run's
-mesh (orbax reads each shard into place; the optimizer state is skipped), then writes one
-parameter at a time: gathered to the host once, cut into per-layer HF tensors in the output
-dtype, written shard by shard.
+`export_hf` restores only the parameters of the newest committed checkpoint, read-only
+(`trn_accum.train.ckpt_reader`: beside a live trainer, on a run dir it cannot write), sharded
+into the run's mesh (orbax reads each shard into place; the optimizer state is skipped), then
+writes one parameter at a time: gathered to the host once, cut into per-layer HF tensors in
+the output dtype, written shard by shard into a directory that replaces OUT_DIR whole
+(`trn_accum.interop.out_dir`), with what generation needs (`trn_accum.interop.generation`).
 """
 
 from __future__ import annotations
@@ -23,17 +25,17 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 from safetensors import SafetensorError
 
 from trn_accum.errors import EXIT_SAVE_FAILED
-from trn_accum.interop import hf_io, llama
+from trn_accum.interop import generation, hf_io, llama, validate
 from trn_accum.interop.llama import InteropError
 from trn_accum.model import fuji
-from trn_accum.train import drift, rundir
+from trn_accum.train import ckpt_reader, drift, rundir
 from trn_accum.train import step as train_step
-from trn_accum.train.checkpoint import STATE_ITEM, Checkpointer, make_writable_dir
+from trn_accum.train.checkpoint import Checkpointer, make_writable_dir
+from trn_accum.train.ckpt_dir import STEP_DIR
 from trn_accum.train.config import Config, config_from_dict, load_config
 from trn_accum.train.trainer import Trainer
 
@@ -55,9 +57,13 @@ def hf_shapes(cfg: fuji.ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def check_checkpoint(hf_dir: str, model_cfg: fuji.ModelConfig) -> dict[str, str]:
-    """The tensor files of the HF checkpoint in `hf_dir` after checking that its config.json
-    and tensor shapes are those of `model_cfg`; InteropError naming every difference."""
-    fields = llama.model_fields(hf_io.read_config(hf_dir))
+    """The tensor files of the HF checkpoint in `hf_dir` after checking that it holds float
+    weights (`validate`: no quantization, an LM head that is the embedding) and that its
+    config.json and tensor shapes are those of `model_cfg`; InteropError naming every
+    difference. Only headers are read, and the LM head when the checkpoint holds one."""
+    hf = hf_io.read_config(hf_dir)
+    validate.refuse_quantized_config(hf, hf_dir)
+    fields = llama.model_fields(hf)
     differ = llama.mismatches(fields, model_cfg)
     if differ:
         keys = [d.split(":")[0] for d in differ]
@@ -67,13 +73,19 @@ def check_checkpoint(hf_dir: str, model_cfg: fuji.ModelConfig) -> dict[str, str]
             f"config with the checkpoint's values ({sets})"
         )
     files = hf_io.tensor_files(hf_dir)
-    bad = hf_io.missing_or_misshapen(hf_io.tensor_shapes(files), hf_shapes(model_cfg).items())
+    headers = hf_io.tensor_headers(files)
+    validate.refuse_quantized_tensors({n: dtype for n, (dtype, _) in headers.items()}, hf_dir)
+    shapes = {n: shape for n, (_, shape) in headers.items()}
+    bad = hf_io.missing_or_misshapen(shapes, hf_shapes(model_cfg).items())
     if bad:
         more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
         raise InteropError(
             f"checkpoint {hf_dir}'s tensors do not match its config.json: "
             f"{'; '.join(bad[:3])}{more}: the checkpoint is incomplete or damaged"
         )
+    if validate.LM_HEAD in files:
+        embed = llama.TOP_TENSORS["embed"]
+        validate.refuse_untied_head(hf_io.tensors_equal(files, validate.LM_HEAD, embed), hf_dir)
     return files
 
 
@@ -105,11 +117,16 @@ def _place(host: np.ndarray, sharding) -> jax.Array:
 
 
 def _refuse_existing(run_dir: str) -> None:
+    """InteropError when `run_dir` holds a committed checkpoint (a step directory without
+    orbax's temporary suffix). The leftovers of a killed save (`<step>.orbax-checkpoint-tmp*`)
+    do not count: the `Checkpointer` that saves the import removes them, as for `train`."""
     ckpts = os.path.join(run_dir, "checkpoints")
-    if os.path.isdir(ckpts) and any(n.split(".")[0].isdigit() for n in os.listdir(ckpts)):
+    names = os.listdir(ckpts) if os.path.isdir(ckpts) else []
+    steps = sorted(int(m.group(1)) for n in names if (m := STEP_DIR.match(n)) and not m.group(2))
+    if steps:
         raise InteropError(
-            f"run dir {run_dir} already holds checkpoints: import into a new --run-dir (an "
-            f"import starts a run at step 0)"
+            f"run dir {run_dir} already holds checkpoints (steps {', '.join(map(str, steps))}): "
+            f"import into a new --run-dir (an import starts a run at step 0)"
         )
 
 
@@ -118,6 +135,7 @@ def import_hf(hf_dir: str, config_path: str, overrides: Sequence[str], run_dir: 
     file (with `--set` overrides). Returns the number of parameters imported."""
     cfg = load_config(config_path, overrides)
     files = check_checkpoint(hf_dir, cfg.model)
+    gen = generation.from_hf(hf_dir, cfg.model.vocab_size)  # for export-hf: token ids
     _refuse_existing(run_dir)
     trainer = Trainer.build(cfg)  # the mesh, data and state layout the trainer uses
     shardings = trainer.state_shardings
@@ -141,6 +159,7 @@ def import_hf(hf_dir: str, config_path: str, overrides: Sequence[str], run_dir: 
             ck.save(0, state, metadata={"config": trainer.record}, force=True)
             ck.wait_until_finished()
         if jax.process_index() == 0:
+            generation.save(run_dir, gen)
             text = json.dumps(trainer.record, indent=2)
             rundir.write_atomic(os.path.join(run_dir, drift.CONFIG_FILE), text)
     finally:
@@ -153,9 +172,10 @@ def import_hf(hf_dir: str, config_path: str, overrides: Sequence[str], run_dir: 
 # Reading a run
 
 
-def run_config(run_dir: str, ckpt: Checkpointer, step: int) -> Config:
-    """The config the run's checkpoint `step` was trained with (its record)."""
-    record, where = drift.recorded_config(run_dir, ckpt.read_metadata(step))
+def run_config(run_dir: str, meta: dict | None) -> Config:
+    """The config a checkpoint of the run was trained with: its record, from the checkpoint's
+    metadata `meta` (else RUN_DIR/config.json)."""
+    record, where = drift.recorded_config(run_dir, meta)
     if record is None:
         raise InteropError(f"run dir {run_dir} has no readable config record ({where})")
     record = {k: dict(v) for k, v in record.items()}
@@ -165,60 +185,55 @@ def run_config(run_dir: str, ckpt: Checkpointer, step: int) -> Config:
     return config_from_dict(record)
 
 
-def _read_params(step_dir: str, target: dict) -> dict:
-    """The "params" subtree of the checkpoint in `step_dir` (a committed step directory of
-    `Checkpointer`), restored into `target` (ShapeDtypeStructs with shardings): an orbax
-    partial restore, so the optimizer state is never read."""
-    path = os.path.join(step_dir, STATE_ITEM)
-    item = {"params": target}
-    args = ocp.args.PyTreeRestore(
-        item=item,
-        restore_args=ocp.checkpoint_utils.construct_restore_args(item),
-        partial_restore=True,
-    )
-    try:
-        with ocp.PyTreeCheckpointer() as reader:
-            return reader.restore(path, args=args)["params"]
-    except Exception as e:  # orbax/tensorstore raise many types for unreadable data
-        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-        raise InteropError(
-            f"checkpoint {step_dir} cannot be read into the run's config ({first}): train or "
-            f"import the run again"
-        ) from None
+def _read_params(run_dir: str, step_dir: str) -> tuple[Config, jax.sharding.Mesh, dict]:
+    """(the config of the committed checkpoint in `step_dir`, its mesh on these devices, its
+    "params" subtree sharded as in training): an orbax partial restore, so the optimizer
+    state is never read."""
+    cfg = run_config(run_dir, ckpt_reader.read_metadata(step_dir))
+    mesh = train_step.make_mesh(cfg)
+    shardings = train_step.named(mesh, train_step.param_specs(cfg, mesh))
+    target = train_step.restore_target(fuji.param_shapes(cfg.model), shardings)
+    return cfg, mesh, ckpt_reader.read_state(step_dir, {"params": target})["params"]
 
 
 def restore_params(run_dir: str) -> tuple[Config, jax.sharding.Mesh, dict, int]:
-    """(the run's config, its mesh on these devices, the newest checkpoint's parameters sharded
-    as in training, that step). Only the parameters are read from disk."""
+    """(the run's config, its mesh on these devices, the newest committed checkpoint's
+    parameters sharded as in training, that step). Read-only (`trn_accum.train.ckpt_reader`):
+    safe beside a trainer that is writing the run, and on a run dir it cannot write."""
     directory = os.path.join(run_dir, "checkpoints")
     if not os.path.isdir(directory):
         raise InteropError(f"run dir {run_dir} has no checkpoints/: train or import-hf first")
-    with Checkpointer(directory, keep=None) as ckpt:
-        step = ckpt.latest_step()
-        if step is None:
-            raise InteropError(f"run dir {run_dir} has no committed checkpoint: train first")
-        cfg = run_config(run_dir, ckpt, step)
-        step_dir = ckpt.step_path(step)
-    mesh = train_step.make_mesh(cfg)
-    shardings = train_step.named(mesh, train_step.param_specs(cfg, mesh))
-    shapes = fuji.param_shapes(cfg.model)
-    target = train_step.restore_target(shapes, shardings)
-    return cfg, mesh, _read_params(step_dir, target), step
+    step, (cfg, mesh, params) = ckpt_reader.read_newest(
+        directory,
+        lambda step_dir: _read_params(run_dir, step_dir),
+        "its files are damaged: train or import the run again",
+    )
+    return cfg, mesh, params, step
 
 
-def export_hf(run_dir: str, out_dir: str, dtype: str = "bfloat16") -> list[str]:
-    """Writes config.json + safetensors of the run's newest checkpoint into `out_dir`
-    (process 0 writes). Returns the files written."""
+def export_hf(
+    run_dir: str, out_dir: str, dtype: str = "bfloat16", tokens: dict | None = None
+) -> list[str]:
+    """Writes the run's newest committed checkpoint into `out_dir` as a Hugging Face Llama
+    checkpoint (process 0 writes): config.json with what generation needs (`generation`: the
+    import's token ids and context length, `tokens` (key -> id) over them),
+    generation_config.json, the tensors in `dtype`. The directory is replaced whole
+    (`hf_io.write_checkpoint`). Returns the files written."""
     if jax.process_index() == 0:
+        hf_io.check_out_dir(out_dir)
         try:
-            make_writable_dir(out_dir)
+            make_writable_dir(os.path.dirname(os.path.abspath(out_dir)))
         except OSError as e:
             raise InteropError(
-                f"export dir {out_dir} is not writable ({e.strerror}): pass a writable OUT_DIR",
+                f"export dir {out_dir}: its parent directory cannot be written ({e.strerror}): "
+                f"pass an OUT_DIR in a writable directory",
                 exit_code=EXIT_SAVE_FAILED,
             ) from None
     cfg, _, params, _ = restore_params(run_dir)
     m = cfg.model
+    config, gen_config = generation.export_fields(
+        generation.load(run_dir), tokens or {}, m.vocab_size, m.max_seq_len
+    )
     np_dtype = hf_io.DTYPES[dtype]
     names = llama.tensor_names(m.num_layers)
     paths = _param_paths(m)  # parameter by parameter: each gathered once
@@ -241,10 +256,13 @@ def export_hf(run_dir: str, out_dir: str, dtype: str = "bfloat16") -> list[str]:
         for path in paths:  # the gathers are collective: every process joins
             multihost_utils.process_allgather(_leaf(params, path), tiled=True)
         return []
+    config = {**llama.hf_config(m, dtype), **config}
+    extra = {hf_io.GENERATION_CONFIG: gen_config} if gen_config else {}
     try:
-        return hf_io.write_checkpoint(out_dir, llama.hf_config(m, dtype), sizes, tensor)
+        return hf_io.write_checkpoint(out_dir, config, sizes, tensor, extra=extra)
     except (OSError, SafetensorError) as e:
         raise InteropError(
-            f"export to {out_dir} failed ({e}): free space or fix the storage, then export again",
+            f"export to {out_dir} failed ({e}): free space or fix the storage, then export "
+            f"again (the previous content of {out_dir} is intact)",
             exit_code=EXIT_SAVE_FAILED,
         ) from None

@@ -30,7 +30,7 @@ from trn_accum.train.trainer import Trainer
 
 def read_tokens(path: str, vocab_size: int) -> np.ndarray:
     """The int64 [N, S] array of `path` (.npy), checked: S >= 2, ids < vocab_size, negative
-    ids (padding) only at the end of a row."""
+    ids (padding) only at the end of a row, at least one target (a row of 2 tokens)."""
     try:
         tokens = np.load(path, allow_pickle=False)
     except (OSError, ValueError) as e:
@@ -55,6 +55,11 @@ def read_tokens(path: str, vocab_size: int) -> np.ndarray:
             f"--tokens {path}: row {r} has padding (a negative id) at column {c} before a token: "
             f"padding may only end a row (pad on the right)"
         )
+    if not (~pad[:, 1:]).any():
+        raise InteropError(
+            f"--tokens {path}: no row has a target ({tokens.shape[0]} rows, each empty, all "
+            f"padding or one token): give rows of at least 2 tokens"
+        )
     return tokens
 
 
@@ -69,14 +74,18 @@ def token_batch(tokens: np.ndarray) -> dict[str, np.ndarray]:
     }
 
 
-def _sum_over(eval_fn, params, batches, mesh) -> tuple[float, float]:
+def _mean_over(eval_fn, params, batches, mesh, what: str) -> tuple[float, int]:
+    """(mean loss, target tokens) over `batches`; InteropError when they hold no target
+    (a mean over nothing is no loss), naming `what` was evaluated."""
     total = count = 0.0
     for batch in batches:
         with jax.set_mesh(mesh):
             t, c = eval_fn(params, batch)
         total += float(t)
         count += float(c)
-    return total, count
+    if count == 0:
+        raise InteropError(f"{what} holds no target tokens: there is nothing to evaluate")
+    return total / count, int(count)
 
 
 def _placed(batch: dict[str, np.ndarray], sharding) -> dict:
@@ -107,8 +116,7 @@ def eval_tokens(run_dir: str, tokens_path: str) -> tuple[float, int]:
     )
     shardings = jax.tree.map(lambda x: x.sharding, params)
     eval_fn = train_step.make_eval_step(cfg, mesh, shardings)
-    total, count = _sum_over(eval_fn, params, batches, mesh)
-    return (total / count if count else 0.0), int(count)
+    return _mean_over(eval_fn, params, batches, mesh, f"--tokens {tokens_path}")
 
 
 def eval_data(run_dir: str, data_dir: str) -> tuple[float, int]:
@@ -118,5 +126,5 @@ def eval_data(run_dir: str, data_dir: str) -> tuple[float, int]:
     data = dataclasses.replace(cfg.data, kind="tokens", path=data_dir)
     trainer = Trainer.build(dataclasses.replace(cfg, data=data))
     batches = (trainer.batch(i, "eval") for i in range(cfg.data.eval_batches))
-    total, count = _sum_over(trainer.eval_fn, params, batches, trainer.mesh)
-    return (total / count if count else 0.0), int(count)
+    what = f"the held-out split of {data_dir} ({cfg.data.eval_batches} batches)"
+    return _mean_over(trainer.eval_fn, params, batches, trainer.mesh, what)

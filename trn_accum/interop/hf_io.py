@@ -5,30 +5,38 @@ A checkpoint directory holds `config.json` and either `model.safetensors` or sha
 {tensor name: file}}), the layout transformers' `save_pretrained` writes and reads. Tensors
 are read one at a time (`safetensors.safe_open` maps the file; a tensor is read when asked
 for) and written one shard at a time through `safetensors.numpy`, so no more than one shard's
-tensors are held in memory. bfloat16 is NumPy's `ml_dtypes.bfloat16` (JAX's own).
+tensors are held in memory. bfloat16 is NumPy's `ml_dtypes.bfloat16` (JAX's own). A
+directory is written whole: into a fresh sibling that then replaces it (`out_dir`).
+Reading refuses what is not float weights (`trn_accum.interop.validate`): a tensor's dtype is
+taken from the file's header before any conversion, and each tensor read is checked finite.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Callable, Iterable
 
 import ml_dtypes
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from trn_accum.interop import out_dir, validate
 from trn_accum.interop.llama import InteropError
 
 CONFIG = "config.json"
+GENERATION_CONFIG = "generation_config.json"  # what transformers' generate reads first
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 SHARD_BYTES = 5 * 2**30  # transformers' default max_shard_size ("5GB")
 DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
 
 
-def _load_json(path: str, what: str) -> dict:
+def read_json(path: str, what: str) -> dict:
+    """The JSON object in `path`; InteropError naming it, and `what` it should be, when it
+    is missing, unreadable or not an object."""
     try:
         with open(path, encoding="utf-8") as f:
             value = json.load(f)
@@ -43,7 +51,7 @@ def _load_json(path: str, what: str) -> dict:
 
 def read_config(directory: str) -> dict:
     """The checkpoint's config.json as a dict."""
-    return _load_json(
+    return read_json(
         os.path.join(directory, CONFIG), "a Hugging Face checkpoint directory has config.json"
     )
 
@@ -53,7 +61,7 @@ def tensor_files(directory: str) -> dict[str, str]:
     directory has `model.safetensors.index.json`, else every tensor of `model.safetensors`."""
     index = os.path.join(directory, INDEX)
     if os.path.exists(index):
-        weight_map = _load_json(index, "the index of a sharded checkpoint").get("weight_map")
+        weight_map = read_json(index, "the index of a sharded checkpoint").get("weight_map")
         if not isinstance(weight_map, dict):
             raise InteropError(f"{index} has no weight_map: re-save the checkpoint")
         return {name: os.path.join(directory, f) for name, f in weight_map.items()}
@@ -74,21 +82,46 @@ def _open(path: str):
         raise InteropError(f"{path} is not a readable safetensors file ({e})") from None
 
 
-def tensor_shapes(files: dict[str, str]) -> dict[str, tuple[int, ...]]:
-    """Tensor name -> shape, from the files' headers (no tensor data is read)."""
+def tensor_headers(files: dict[str, str]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Tensor name -> (safetensors dtype such as "BF16" or "F8_E4M3", shape), from the files'
+    headers: no tensor data is read or converted."""
     out = {}
     for path in sorted(set(files.values())):
         with _open(path) as f:
             for name in f.keys():
                 if files.get(name) == path:
-                    out[name] = tuple(f.get_slice(name).get_shape())
+                    header = f.get_slice(name)
+                    out[name] = (header.get_dtype(), tuple(header.get_shape()))
     return out
 
 
 def read_tensor(files: dict[str, str], name: str) -> np.ndarray:
-    """One tensor as float32 (bfloat16 and float16 widen exactly)."""
+    """One tensor as float32 (bfloat16 and float16 widen exactly). InteropError, naming it,
+    when its stored dtype is not a float weight dtype (checked in the header, before any
+    conversion) or it holds NaN/Inf (`validate`)."""
     with _open(files[name]) as f:
-        return np.asarray(f.get_tensor(name), dtype=np.float32)
+        validate.refuse_quantized_tensors({name: f.get_slice(name).get_dtype()}, files[name])
+        value = np.asarray(f.get_tensor(name), dtype=np.float32)
+    validate.refuse_nonfinite(name, value, files[name])
+    return value
+
+
+def tensors_equal(files: dict[str, str], a: str, b: str, rows: int = 4096) -> bool:
+    """Whether float tensors `a` and `b` have one shape and equal values (compared as float32,
+    `rows` leading rows at a time: never a whole tensor in memory)."""
+    with _open(files[a]) as fa, _open(files[b]) as fb:
+        sa, sb = fa.get_slice(a), fb.get_slice(b)
+        shape = tuple(sa.get_shape())
+        if shape != tuple(sb.get_shape()):
+            return False
+        if not shape:
+            return bool(np.float32(fa.get_tensor(a)) == np.float32(fb.get_tensor(b)))
+        for start in range(0, shape[0], rows):
+            block = slice(start, min(start + rows, shape[0]))  # safetensors does not clip
+            x = np.asarray(sa[block], dtype=np.float32)
+            if not np.array_equal(x, np.asarray(sb[block], dtype=np.float32)):
+                return False
+    return True
 
 
 def plan_shards(sizes: dict[str, int], max_bytes: int = SHARD_BYTES) -> list[list[str]]:
@@ -105,17 +138,60 @@ def plan_shards(sizes: dict[str, int], max_bytes: int = SHARD_BYTES) -> list[lis
     return shards
 
 
+# Weight files of any format (never carried from a previous export into a new one)
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".gguf", ".index.json")
+
+
+def looks_exported(directory: str, names: list[str]) -> bool:
+    """Whether the files `names` of `directory` are a Hugging Face checkpoint: a *.safetensors
+    file, or a config.json with a model_type."""
+    if any(n.endswith(".safetensors") for n in names):
+        return True
+    try:
+        with open(os.path.join(directory, CONFIG), encoding="utf-8") as f:
+            return "model_type" in json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, TypeError):
+        return False
+
+
+def check_out_dir(directory: str) -> None:
+    """InteropError (one line) when `directory` exists and is not empty, nor a Hugging Face
+    checkpoint of files only, that an export may replace whole."""
+    out_dir.check(directory, lambda names: looks_exported(directory, names))
+
+
+def _carried(name: str, written: list[str]) -> bool:
+    """Whether a file of the previous export goes on into the new one: not a file an export
+    writes, nor weights (of any format), so no stale shard, index or config survives."""
+    ours = (*written, CONFIG, GENERATION_CONFIG)
+    return name not in ours and not name.endswith(WEIGHT_SUFFIXES)
+
+
 def write_checkpoint(
     directory: str,
     config: dict,
     sizes: dict[str, int],
     tensor: Callable[[str], np.ndarray],
     max_bytes: int = SHARD_BYTES,
+    extra: dict[str, dict] | None = None,
 ) -> list[str]:
-    """Writes config.json and the tensors named in `sizes` (name -> bytes, in file order),
-    each produced by `tensor(name)` when its shard is written; one shard's tensors in memory
-    at a time. One file is `model.safetensors`; more are indexed. Returns the files written."""
-    os.makedirs(directory, exist_ok=True)
+    """Writes config.json, the JSON files of `extra` (file name -> value) and the tensors named
+    in `sizes` (name -> bytes, in file order), each produced by `tensor(name)` when its shard
+    is written; one shard's tensors in memory at a time. One file is `model.safetensors`; more
+    are indexed. The directory is replaced whole (`trn_accum.interop.out_dir`): a kill leaves
+    the previous content or the new one. Returns the files written."""
+    check_out_dir(directory)
+    tmp = out_dir.fresh(directory)
+    try:
+        written = _write_files(tmp, config, sizes, tensor, max_bytes, extra or {})
+        out_dir.commit(tmp, directory, lambda name: _carried(name, written))
+    except (OSError, SafetensorError):
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return written
+
+
+def _write_files(directory, config, sizes, tensor, max_bytes, extra) -> list[str]:
     shards = plan_shards(sizes, max_bytes)
     names = (
         [SINGLE]
@@ -130,8 +206,10 @@ def write_checkpoint(
         index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
         _write_json(os.path.join(directory, INDEX), index)
         written.append(INDEX)
-    _write_json(os.path.join(directory, CONFIG), config)
-    return [*written, CONFIG]
+    for file, value in {**extra, CONFIG: config}.items():
+        _write_json(os.path.join(directory, file), value)
+        written.append(file)
+    return written
 
 
 def _write_json(path: str, value: dict) -> None:
