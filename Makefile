@@ -85,7 +85,7 @@ TESTS_JAX_NEXT := tests/test_accumulation.py tests/test_strategy.py tests/test_s
                   tests/test_reduce_once.py tests/test_reduce_dtype.py \
                   tests/test_summaries.py tests/test_clients.py \
                   tests/test_model.py tests/test_attention.py tests/test_fsdp_program.py \
-                  tests/test_hlo.py
+                  tests/test_hlo.py tests/test_target_memory.py
 
 # What those tests import beyond the package: the test extra's runners and clients, not its
 # torch (PyPI's torch for Python >= 3.12 is the CUDA build, several GB; only the Hugging Face

@@ -72,13 +72,13 @@ def test_per_layer_bytes_are_the_saved_residuals_and_the_gradient_shard(remat):
 @pytest.mark.slow
 def test_the_analytic_total_is_a_lower_bound_of_the_compiled_footprint():
     """At 1 and 2 rows per device group per minibatch (k = 2, 1), the analytic total (what the
-    fit rule compares with the budget) <= the compiled footprint, and within 1.5x of it
+    fit rule compares with the budget) <= XLA:CPU's compiled footprint, and within 1.5x of it
     (measured: 1.22x and 1.43x): a lower bound that does not hide a missing term."""
     for k in (1, 2):
         r = _run("save_qkvo", 2, k)
         assert r["rows_per_device_group_per_minibatch"] == 2 // k
         fit = r["fit"]
-        ratio = fit["compiled_total_bytes"] / fit["analytic_total_bytes"]
+        ratio = fit["xla_cpu_total_bytes"] / fit["analytic_total_bytes"]
         assert 1.0 <= ratio <= 1.5, (k, ratio)
 
 

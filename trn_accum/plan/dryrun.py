@@ -9,9 +9,11 @@ shardings: no memory for parameters. The report:
 
 - parameter count; exact per-device bytes of parameters, gradients (the float32 accumulator)
   and optimizer state, from each leaf's shard shape on the full multi-node mesh;
-- compiled `memory_analysis()` (arguments, outputs, temporaries) with the CPU caveats, next to
-  an analytic activation estimate, and whether each fits the per-device budget (24 GiB per
-  trn2 logical core): a report, not a blocker;
+- XLA:CPU's `memory_analysis()` (arguments, outputs, temporaries) with its caveats, an
+  analytic activation estimate, and the fit on the target (`fit.compiled_fits`: the platform's
+  own compiler where at hand, else the peak live bytes of the partitioned module,
+  `trn_accum.analysis.target_memory`) against the per-device budget (24 GiB per trn2 logical
+  core): a report, not a blocker;
 - FLOPs per step: analytic 6·N·tokens + causal attention, and `cost_analysis()` corrected for
   loop trip counts (XLA counts a while body once: the dot FLOPs of each loop computation, read
   from the compiled HLO, are added trip_count - 1 more times);
@@ -36,7 +38,7 @@ from typing import Any
 import jax
 
 from trn_accum.analysis import hlo as hlo_lib
-from trn_accum.analysis import platforms
+from trn_accum.analysis import platforms, target_memory
 from trn_accum.analysis.collectives import count_collectives
 from trn_accum.analysis.memory import (
     GIB,
@@ -164,6 +166,16 @@ def substitutions(cfg) -> list[dict[str, str]]:
     ]
 
 
+def _lower_on(cfg, node_batch: int):
+    """A function of devices that lowers the step of `cfg` for `node_batch` rows on a mesh of
+    them (the target's compiler compiles it: `target_memory.estimate`)."""
+
+    def lower(devices):
+        return step.build_step(cfg, step.make_mesh(cfg, devices), batch_rows=node_batch).lowered
+
+    return lower
+
+
 def _run(cfg, config_path, overrides, devices, nodes, t_start, plat) -> dict[str, Any]:
     notes: list[str] = []
     devs = jax.devices()
@@ -235,6 +247,7 @@ def _run(cfg, config_path, overrides, devices, nodes, t_start, plat) -> dict[str
     )
     fixed = state_bytes + g_bytes + gathered  # + one minibatch's gradient, trainer.gather's
     analytic_total = fixed + act["total"]
+    target = target_memory.estimate(plat.name, partitioned, _lower_on(cfg, node_batch), n_dev)
     fit_nodes = sorted({1, cfg.mesh.nodes, nodes})
     fit_table = [fit_by_steps(cfg, local_shape, fixed, n, budget) for n in fit_nodes]
 
@@ -280,17 +293,19 @@ def _run(cfg, config_path, overrides, devices, nodes, t_start, plat) -> dict[str
         },
         "compiled_memory_per_device": mem,
         "compiled_memory_caveat": (
-            "XLA:CPU temporaries are a proxy, not a trn2 fit check: CPU computes bf16 dots in "
-            "float32 and schedules differently; unrolled layers may keep more than remat "
-            "implies; see docs/design.md"
+            "XLA:CPU's figures, not the fit check: CPU computes bf16 in float32, schedules "
+            "differently and moves with the jaxlib version; the fit reads the target's "
+            "(fit.compiled_source, docs/dry-run.md)"
         ),
         "activation_estimate": act,
         "fit": {
             "budget_gib": budget_gib,
             "analytic_total_bytes": analytic_total,
             "analytic_fits": analytic_total <= budget,
-            "compiled_total_bytes": footprint(mem),
-            "compiled_fits": None if mem is None else footprint(mem) <= budget,
+            "compiled_total_bytes": target["bytes"],
+            "compiled_fits": target["bytes"] <= budget,
+            "compiled_source": target["source"],
+            "xla_cpu_total_bytes": footprint(mem),
         },
         "fit_by_accum_steps": fit_table,
         "flops": {

@@ -64,8 +64,9 @@ def format_report(r: Mapping[str, Any], *, as_json: bool = False) -> str:
         f"gathered weights {_gib(a['gathered_weights'])})",
         f"fits {fit['budget_gib']:g} GiB per device: analytic "
         f"{_gib(fit['analytic_total_bytes'])} -> {'yes' if fit['analytic_fits'] else 'NO'}; "
-        f"compiled CPU {_gib(fit['compiled_total_bytes'])} -> "
-        f"{'yes' if fit['compiled_fits'] else 'NO'} (report only)",
+        f"compiled {_gib(fit['compiled_total_bytes'])} -> "
+        f"{'yes' if fit['compiled_fits'] else 'NO'} ({fit['compiled_source']}; XLA:CPU's "
+        f"{_gib(fit['xla_cpu_total_bytes'])})",
     ]
     for ft in r.get("fit_by_accum_steps", []):
         if not ft["table"]:

@@ -1,0 +1,107 @@
+"""The fit check's memory of the target against what TPU v5e did with each measured config.
+
+    .venv/bin/python benchmarks/target_memory.py [--tpu] [--only NAME ...] [--json]
+
+For every config our trainer ran on a TPU v5e chip (15.75 GiB: benchmarks/measured-tpu-v5e.json,
+the step-time rows and the 4-layer proxy rows of "memory_rows"), one device, prints:
+
+- estimate: peak live bytes of the step's module in its own dtypes
+  (`trn_accum.analysis.live_bytes`, the dry-run's fit figure where no TPU compiler is at hand);
+- TPU compiler (`--tpu`, needs the `libtpu` package): the TPU compiler's own footprint, compiled
+  on this host without a chip (`trn_accum.analysis.target_memory`); 3-4 minutes a config on 2
+  busy cores, about 20 s on the TPU host;
+- what the chip did (ran / refused) and whether each verdict at 15.75 GiB agrees with it.
+
+Compiles nothing for the estimate (the lowered module only: seconds a config).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MEASURED = ROOT / "benchmarks" / "measured-tpu-v5e.json"
+BUDGET_GIB = 15.75  # the chip's HBM as its compiler states it ("of 15.75G hbm")
+
+
+def rows() -> list[dict]:
+    """{name, config, overrides, chip} of every measured config (chip: "ran" or "refused")."""
+    data = json.loads(MEASURED.read_text())
+    out = [
+        {"name": Path(r["config"]).stem, "config": r["config"], "overrides": [], "chip": "ran"}
+        for r in data["rows"]
+    ]
+    for r in data.get("memory_rows", []):
+        if r.get("overrides") is not None:
+            out.append({**r, "name": r["setting"]})
+    return out
+
+
+def _program(row: dict, devices=None):
+    """The step of `row` on `devices` (default: this process's first device)."""
+    import jax
+
+    from trn_accum.train import step
+    from trn_accum.train.config import load_config
+
+    cfg = load_config(str(ROOT / row["config"]), row["overrides"])
+    mesh = step.make_mesh(cfg, jax.devices()[:1] if devices is None else devices)
+    return step.build_step(cfg, mesh, batch_rows=cfg.data.global_batch)
+
+
+def measure(row: dict, tpu: bool) -> dict:
+    """The row with its estimate (bytes) and, with `tpu`, the TPU compiler's figure."""
+    from trn_accum.analysis import target_memory
+    from trn_accum.analysis.live_bytes import peak_live_bytes
+
+    out = dict(row)
+    out["estimate"] = peak_live_bytes(_program(row).lowered.as_text(dialect="hlo"))
+    devices = target_memory.tpu_devices("tpu-v5e", 1) if tpu else None
+    if devices is not None:
+        out["tpu_compiler"] = target_memory.tpu_footprint(
+            lambda d: _program(row, d).lowered, devices
+        )
+    return out
+
+
+def table(results: list[dict]) -> str:
+    budget = BUDGET_GIB * 2**30
+    head = "| config | chip | estimate GiB | agrees | TPU compiler GiB | agrees |"
+    lines = [head, "|---|---|---|---|---|---|"]
+    for r in results:
+        ran = r["chip"] == "ran"
+        cells = [r["name"], r["chip"]]
+        for key in ("estimate", "tpu_compiler"):
+            b = r.get(key)
+            cells += ["n/a", "-"] if b is None else [f"{b / 2**30:.2f}", _yes((b <= budget) == ran)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _yes(ok: bool) -> str:
+    return "yes" if ok else "NO"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tpu", action="store_true", help="also the TPU compiler's figure (libtpu)")
+    p.add_argument("--only", nargs="*", help="row names")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    chosen = [r for r in rows() if not args.only or r["name"] in args.only]
+    results = []
+    for r in chosen:
+        results.append(measure(r, args.tpu))
+        shown = {k: results[-1].get(k) for k in ("name", "estimate", "tpu_compiler")}
+        print(json.dumps(shown), file=sys.stderr, flush=True)
+    print(json.dumps(results, indent=1) if args.json else table(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
