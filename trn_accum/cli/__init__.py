@@ -7,7 +7,7 @@ check-config | import-hf | export-hf | eval (trn_accum/interop/commands.py).
                       [--no-step-time | --step-time-meshes NAME[,NAME...]]
     trn-accum neuron-check [--config FILE] [--run-dir DIR] [--json]   first thing on trn2
     trn-accum neuron-env                 the trn2 environment as shell `export` lines
-    trn-accum prepare-data TEXT_FILES... --out DIR [--tokenizer bytes|tokenizer.json]
+    trn-accum prepare-data FILES... --out DIR [--tokenizer bytes|tokenizer.json] [--workers N]
     trn-accum plot RUN_DIR [-o FILE.png]
     trn-accum render-eks --nodes N --image IMAGE [...]
     trn-accum check-config [--only-config-args] [--devices N] -- TRAIN_ARGS   what train refuses

@@ -3,13 +3,33 @@ into a figure."""
 
 from __future__ import annotations
 
+import sys
+
 from trn_accum.errors import EXIT_OK
 
 
 def _cmd_prepare_data(args) -> int:
-    from trn_accum.train.prepare import prepare_data
+    from trn_accum.train.prepare import interrupted_files, parse_shard, prepare_data
 
-    meta = prepare_data(args.text_files, args.out, args.tokenizer, binary_ok=args.binary_ok)
+    shard = parse_shard(args.shard) if args.shard is not None else None
+
+    left = interrupted_files(args.out)
+    if left:
+        print(
+            f"prepare-data: {args.out} holds the temporary files of an interrupted run "
+            f"({', '.join(left)}): starting over",
+            file=sys.stderr,
+        )
+    meta = prepare_data(
+        args.text_files,
+        args.out,
+        args.tokenizer,
+        binary_ok=args.binary_ok,
+        text_field=args.text_field,
+        workers=args.workers,
+        progress=True,
+        shard=shard,
+    )
     print(
         f"wrote {meta['num_tokens']:,} tokens ({meta['num_documents']} documents, "
         f"{meta['dtype']}, vocab {meta['vocab_size']}) to {args.out}"
@@ -26,10 +46,22 @@ def _cmd_plot(args) -> int:
 
 def add_parsers(sub) -> None:
     """Adds `prepare-data` and `plot` to the subparsers action `sub`."""
-    pd = sub.add_parser("prepare-data", help="tokenize text files into a token directory")
-    pd.add_argument("text_files", nargs="+", metavar="TEXT_FILE")
+    pd = sub.add_parser(
+        "prepare-data",
+        help="tokenize text, JSONL (.gz/.zst) or Parquet files into a token directory",
+    )
+    pd.add_argument("text_files", nargs="+", metavar="FILE")
     pd.add_argument("--out", required=True, metavar="DIR")
     pd.add_argument("--tokenizer", default="bytes", help="'bytes' or a tokenizer.json path")
+    pd.add_argument(
+        "--text-field", default="text", help="the JSONL field / Parquet column with the text"
+    )
+    pd.add_argument(
+        "--workers", type=int, default=None, help="encoder processes (default: the cores)"
+    )
+    pd.add_argument(
+        "--shard", default=None, metavar="I/N", help="prepare only part I (0..N-1) of N, by file"
+    )
     pd.add_argument("--binary-ok", action="store_true", help="tokenize archives/binary too")
     pd.set_defaults(func=_cmd_prepare_data)
 

@@ -1,9 +1,17 @@
-"""`trn-accum prepare-data`: tokenize text files into the token directory `TokenDataset` reads.
+"""`trn-accum prepare-data`: tokenize corpus files into the token directory `TokenDataset` reads.
 
-    prepare_data(["a.txt", "b.jsonl"], "data/tok", tokenizer="bytes")
+    prepare_data(["a.txt", "b.jsonl.zst", "c.parquet"], "data/tok", tokenizer="bytes")
 
 writes `tokens.bin` (uint16/uint32 ids), `offsets.npy` (document boundaries) and `meta.json`
-(`trn_accum.train.tokens.read_meta` checks them on load).
+(`trn_accum.train.tokens.read_meta` checks them on load). The input is streamed
+(`corpus_read`) and tokenized across worker processes in input order (`corpus_encode`):
+memory stays bounded whatever the corpus size, and the output is the same bytes at any
+number of workers.
+
+Everything is written to temporary files first; `meta.json`, the mark of a complete
+directory, is removed before the new files take their names and written last, so a
+prepare-data killed at any point never leaves a directory that looks complete but is not.
+A rerun starts over (`interrupted_files` names what a killed run left behind).
 """
 
 from __future__ import annotations
@@ -11,150 +19,154 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
+import sys
 
 import numpy as np
 
-from trn_accum.train.sniff import HEAD_BYTES, MAX_CONTROL_FRACTION, archive_kind, control_fraction
-from trn_accum.train.tokens import (
-    BYTES_EOS_ID,
-    BYTES_VOCAB_SIZE,
-    FORMAT,
-    META_FILE,
-    OFFSETS_FILE,
-    TOKENS_FILE,
-    DataError,
+from trn_accum.train.corpus_encode import (
+    EncodeSpec,
+    default_workers,
+    encode_ordered,
+    load_tokenizer,
 )
+from trn_accum.train.corpus_read import CHUNK_BYTES, check_input, tasks
+from trn_accum.train.prepare_progress import Progress
+from trn_accum.train.tokens import FORMAT, META_FILE, OFFSETS_FILE, TOKENS_FILE, DataError
 
-_EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[SEP]")
-
-
-class _BytesTokenizer:
-    name = "bytes"
-    vocab_size = BYTES_VOCAB_SIZE
-    eos_id = BYTES_EOS_ID
-
-    def encode(self, text: str) -> np.ndarray:
-        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint32)
+_TMP = ".tmp"
+#: offsets as raw int64 while they stream in; offsets.npy is written from it at the end
+_RAW_OFFSETS = "offsets.int64"
 
 
-class _HFTokenizer:
-    def __init__(self, path: str):
-        if not os.path.exists(path):
-            raise DataError(
-                f"tokenizer {path!r} is neither 'bytes' nor an existing tokenizer.json file: "
-                f"pass --tokenizer bytes or the path of a HuggingFace tokenizer.json"
-            )
-        try:
-            import tokenizers
-        except ImportError:
-            raise DataError(
-                f"tokenizer {path} needs the `tokenizers` package, which is not installed: "
-                f"`pip install tokenizers` or use --tokenizer bytes"
-            ) from None
-        try:
-            self._tok = tokenizers.Tokenizer.from_file(path)
-        except Exception as e:  # the Rust loader raises a bare Exception
-            raise DataError(
-                f"tokenizer {path} cannot be loaded ({str(e).splitlines()[0][:120]}): pass a "
-                f"HuggingFace tokenizer.json"
-            ) from None
-        self.name = os.path.abspath(path)
-        self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
-        eos = next(
-            (i for t in _EOS_CANDIDATES if (i := self._tok.token_to_id(t)) is not None), None
-        )
-        if eos is None:
-            raise DataError(
-                f"tokenizer {path} has none of the end-of-text tokens {list(_EOS_CANDIDATES)}: "
-                f"add one to the tokenizer"
-            )
-        self.eos_id = int(eos)
-
-    def encode(self, text: str) -> np.ndarray:
-        ids = self._tok.encode(text, add_special_tokens=False).ids
-        return np.asarray(ids, dtype=np.uint32)
+def _tmp_names() -> tuple[str, ...]:
+    return tuple(n + _TMP for n in (TOKENS_FILE, OFFSETS_FILE, _RAW_OFFSETS, META_FILE))
 
 
-def _check_text_file(path: str) -> None:
-    if os.path.isdir(path):
-        raise DataError(
-            f"text file {path} is a directory: pass the text files in it (e.g. {path}/*.txt)"
-        )
-    if not os.path.isfile(path):
-        raise DataError(f"text file {path} does not exist: pass existing text files")
+def interrupted_files(out_dir: str) -> list[str]:
+    """The temporary files a killed prepare-data left in `out_dir` (a rerun replaces them)."""
+    return [n for n in _tmp_names() if os.path.exists(os.path.join(out_dir, n))]
 
 
-def _refuse_archive(path: str) -> None:
-    """A DataError when `path` starts with an archive's or a compressor's magic bytes."""
+def parse_shard(text: str) -> tuple[int, int]:
+    """ "I/N" -> (I, N), 0 <= I < N: the I-th (from 0) of N parts of the input."""
+    index, _, count = str(text).partition("/")
     try:
-        with open(path, "rb") as f:
-            kind = archive_kind(f.read(HEAD_BYTES))
-    except OSError as e:
-        raise DataError(f"text file {path} cannot be read ({e.strerror})") from None
-    if kind is not None:
+        i, n = int(index), int(count)
+    except ValueError:
+        i, n = -1, 0
+    if not 0 <= i < n:
         raise DataError(
-            f"text file {path} is a {kind} archive or compressed file, not text: unpack it and "
-            f"pass the text files in it (or --binary-ok to tokenize its bytes as they are)"
+            f"--shard {text!r} is not I/N with 0 <= I < N: pass e.g. --shard 0/4 ... 3/4 "
+            f"(in a Slurm array: $SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT)"
         )
+    return i, n
 
 
-def _refuse_binary_text(path: str, text: str) -> None:
-    share = control_fraction(text)
-    if share > MAX_CONTROL_FRACTION:
+def shard_files(paths: list[str], index: int, count: int) -> list[str]:
+    """The files of part `index` of `count`: consecutive runs of `paths`, split by size (a file
+    goes to the part its middle byte falls in), so parts 0..count-1 in order are `paths`."""
+    sizes = [os.path.getsize(p) for p in paths]
+    total, start, mine = max(sum(sizes), 1), 0, []
+    for path, size in zip(paths, sizes, strict=True):
+        if min(count - 1, count * (2 * start + size) // (2 * total)) == index:
+            mine.append(path)
+        start += size
+    if not mine:
         raise DataError(
-            f"text file {path} is {share:.1%} NUL or control characters (more than "
-            f"{MAX_CONTROL_FRACTION:.0%}): it looks binary, not text; pass text files (or "
-            f"--binary-ok to tokenize it as it is)"
+            f"--shard {index}/{count} gets none of the {len(paths)} files (a file is not split "
+            f"across shards): use at most {len(paths)} shards, or more, smaller files"
         )
+    return mine
 
 
-def _documents(path: str):
-    """Yield the documents of one text file: the whole file, or one per JSONL line's "text"."""
-    _check_text_file(path)
-    try:
-        with open(path, encoding="utf-8") as f:
-            if path.endswith(".jsonl"):
-                for lineno, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        record = json.loads(line)
-                        text = record["text"]
-                    except (json.JSONDecodeError, KeyError, TypeError):
-                        raise DataError(
-                            f"{path}:{lineno} is not a JSON object with a 'text' field: fix the "
-                            f"line or pass plain .txt files"
-                        ) from None
-                    yield str(text)
-            else:
-                yield f.read()
-    except UnicodeDecodeError as e:
-        raise DataError(
-            f"text file {path} is not UTF-8 (byte {e.start}): convert it to UTF-8"
-        ) from None
+def _check_workers(workers: int | None) -> int:
+    if workers is None:
+        return default_workers()
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise DataError(f"--workers {workers!r} is not an integer >= 1: pass e.g. --workers 8")
+    return workers
+
+
+def _write_npy(raw_path: str, npy_path: str, count: int) -> None:
+    """`npy_path`: the .npy of the `count` int64 in `raw_path`, copied a block at a time."""
+    header = {"descr": np.dtype("<i8").str, "fortran_order": False, "shape": (count,)}
+    with open(raw_path, "rb") as src, open(npy_path, "wb") as dst:
+        np.lib.format.write_array_header_1_0(dst, header)
+        shutil.copyfileobj(src, dst, CHUNK_BYTES)
+
+
+def _encode_into(paths, out_dir, spec, workers, progress, chunk_bytes) -> dict:
+    """Writes the tmp token and raw offset files; returns their counts, max id and digest."""
+    tok_tmp, _, raw_tmp, _ = (os.path.join(out_dir, n) for n in _tmp_names())
+    digest = hashlib.blake2b(digest_size=16)  # the content's identity (tokens.fingerprint)
+    n_tokens, n_docs, max_id = 0, 0, -1
+    with open(tok_tmp, "wb") as tokens_out, open(raw_tmp, "wb") as offsets_out:
+        offsets_out.write(np.zeros(1, np.int64).tobytes())
+        todo = tasks(paths, text_field=spec.text_field, size=chunk_bytes)
+        for enc, task in encode_ordered(todo, spec, workers):
+            tokens_out.write(enc.ids)  # contiguous: written and hashed without a copy
+            digest.update(enc.ids)
+            offsets_out.write((enc.doc_ends + n_tokens).astype("<i8"))
+            n_tokens += enc.ids.size
+            n_docs += enc.doc_ends.size
+            max_id = max(max_id, enc.max_id)
+            if progress is not None:
+                progress.update(task.disk_bytes, enc.doc_ends.size, enc.ids.size)
+    return {"num_tokens": n_tokens, "num_documents": n_docs, "max_id": max_id, "digest": digest}
+
+
+def _commit(out_dir: str, meta: dict) -> None:
+    """Moves the finished tmp files into place: meta.json goes first and comes back last."""
+    tok_tmp, npy_tmp, raw_tmp, meta_tmp = (os.path.join(out_dir, n) for n in _tmp_names())
+    _write_npy(raw_tmp, npy_tmp, meta["num_documents"] + 1)
+    os.remove(raw_tmp)
+    with open(meta_tmp, "w", encoding="utf-8") as f:
+        json.dump(meta, f, indent=2)
+    meta_path = os.path.join(out_dir, META_FILE)
+    if os.path.exists(meta_path):
+        os.remove(meta_path)
+    os.replace(tok_tmp, os.path.join(out_dir, TOKENS_FILE))
+    os.replace(npy_tmp, os.path.join(out_dir, OFFSETS_FILE))
+    os.replace(meta_tmp, meta_path)
 
 
 def prepare_data(
-    text_files: list[str], out_dir: str, tokenizer: str = "bytes", *, binary_ok: bool = False
+    text_files: list[str],
+    out_dir: str,
+    tokenizer: str = "bytes",
+    *,
+    binary_ok: bool = False,
+    text_field: str = "text",
+    workers: int | None = None,
+    progress: bool = False,
+    chunk_bytes: int = CHUNK_BYTES,
+    shard: tuple[int, int] | None = None,
 ) -> dict:
-    """Tokenize text files into ``out_dir/{tokens.bin, offsets.npy, meta.json}``.
+    """Tokenize corpus files into ``out_dir/{tokens.bin, offsets.npy, meta.json}``.
 
-    A ``.jsonl`` file contributes one document per line (its "text" field); any other file is one
-    document. Every document is followed by the tokenizer's end-of-text id. ``tokenizer`` is
-    "bytes" (UTF-8 bytes 0..255, eos 256, vocab 257) or the path of a HuggingFace
-    ``tokenizer.json`` (needs the ``tokenizers`` package). Tokens are stored as uint16 when the
-    vocabulary fits, else uint32. Empty documents are skipped. Returns the metadata written.
-    Unless ``binary_ok``, an archive or compressed file (by its magic bytes) and a document
-    more than ``sniff.MAX_CONTROL_FRACTION`` NUL/control characters are refused (DataError
-    naming the file) before anything is kept in ``out_dir``.
+    A ``.jsonl`` file (also ``.jsonl.gz``, ``.jsonl.zst``) contributes one document per line,
+    a ``.parquet`` file one per row: the ``text_field`` of each; any other file (also ``.gz``,
+    ``.zst``) is one document. Every document is followed by the tokenizer's end-of-text id.
+    ``tokenizer`` is "bytes" (UTF-8 bytes 0..255, eos 256, vocab 257) or the path of a
+    HuggingFace ``tokenizer.json`` (needs the ``tokenizers`` package). Tokens are stored as
+    uint16 when the vocabulary fits, else uint32. Empty documents are skipped. ``workers``
+    processes encode (default: the cores; the output does not depend on it); ``progress``
+    reports to stderr; ``chunk_bytes`` is the unit of work (`corpus_read.CHUNK_BYTES`);
+    ``shard`` (I, N) prepares only the I-th of N parts of the files (`shard_files`).
+    Unless ``binary_ok``, an archive named as text (by its magic bytes) and a document, or a
+    piece of a text file, more than ``sniff.MAX_CONTROL_FRACTION`` NUL/control characters are
+    refused (DataError naming the file). On any error nothing is kept in ``out_dir``. Returns
+    the metadata written.
     """
     if not text_files:
         raise DataError("no text files given: pass one or more text files to prepare")
-    tok = _BytesTokenizer() if tokenizer == "bytes" else _HFTokenizer(tokenizer)
+    workers = _check_workers(workers)
+    tok = load_tokenizer(tokenizer)
     for p in text_files:
-        _check_text_file(p)
-        if not binary_ok:
-            _refuse_archive(p)
+        check_input(p, binary_ok=binary_ok, text_field=text_field)
+    if shard is not None:
+        text_files = shard_files(list(text_files), *shard)
     dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
     try:
         os.makedirs(out_dir, exist_ok=True)
@@ -162,73 +174,40 @@ def prepare_data(
         raise DataError(
             f"output directory {out_dir} cannot be created ({e.strerror}): choose a writable --out"
         ) from None
-    tokens_path = os.path.join(out_dir, TOKENS_FILE)
-    tmp_tokens = tokens_path + ".tmp"
-    offsets = [0]
-    max_id = -1
-    digest = hashlib.blake2b(digest_size=16)  # the content's identity (tokens.fingerprint)
+    spec = EncodeSpec(tokenizer, np.dtype(dtype).name, binary_ok, text_field)
+    bar = Progress(sum(map(os.path.getsize, text_files)), sys.stderr) if progress else None
     try:
-        with open(tmp_tokens, "wb") as out:
-            for p in text_files:
-                for text in _documents(p):
-                    if not text:
-                        continue
-                    if not binary_ok:
-                        _refuse_binary_text(p, text)
-                    ids = tok.encode(text)
-                    ids = np.concatenate([ids, np.asarray([tok.eos_id], np.uint32)])
-                    max_id = max(max_id, int(ids.max()))
-                    raw = ids.astype(dtype).tobytes()
-                    out.write(raw)
-                    digest.update(raw)
-                    offsets.append(offsets[-1] + int(ids.size))
+        counts = _encode_into(text_files, out_dir, spec, workers, bar, chunk_bytes)
+        if counts["num_documents"] == 0:
+            raise DataError(
+                f"the corpus {list(text_files)} is empty (no non-empty document): pass text "
+                f"files with content"
+            )
+        meta = {
+            "format": FORMAT,
+            "dtype": np.dtype(dtype).name,
+            "vocab_size": int(tok.vocab_size),
+            "eos_id": int(tok.eos_id),
+            "pad_id": int(tok.eos_id),
+            "max_token_id": counts["max_id"],
+            "tokens_blake2b": counts["digest"].hexdigest(),
+            "num_tokens": counts["num_tokens"],
+            "num_documents": counts["num_documents"],
+            "tokens_file": TOKENS_FILE,
+            "offsets_file": OFFSETS_FILE,
+            "tokenizer": tok.name,
+            "sources": [os.path.abspath(p) for p in text_files],
+        }
+        _commit(out_dir, meta)
     except OSError as e:
-        _remove(tmp_tokens)
-        raise DataError(
-            f"cannot write {tmp_tokens} ({e.strerror}): choose a writable --out"
-        ) from None
-    except BaseException:  # a bad document, Ctrl-C: no half-written token file is left
-        _remove(tmp_tokens)
-        raise
-    if len(offsets) == 1:
-        _remove(tmp_tokens)
-        raise DataError(
-            f"the corpus {list(text_files)} is empty (no non-empty document): pass text files "
-            f"with content"
-        )
-    try:
-        os.replace(tmp_tokens, tokens_path)
-        np.save(os.path.join(out_dir, OFFSETS_FILE), np.asarray(offsets, dtype=np.int64))
-    except OSError as e:
-        _remove(tmp_tokens)
         raise DataError(
             f"cannot write into {out_dir} ({e.strerror}): choose a writable --out"
         ) from None
-    meta = {
-        "format": FORMAT,
-        "dtype": np.dtype(dtype).name,
-        "vocab_size": int(tok.vocab_size),
-        "eos_id": int(tok.eos_id),
-        "pad_id": int(tok.eos_id),
-        "max_token_id": max_id,
-        "tokens_blake2b": digest.hexdigest(),
-        "num_tokens": offsets[-1],
-        "num_documents": len(offsets) - 1,
-        "tokens_file": TOKENS_FILE,
-        "offsets_file": OFFSETS_FILE,
-        "tokenizer": tok.name,
-        "sources": [os.path.abspath(p) for p in text_files],
-    }
-    meta_path = os.path.join(out_dir, META_FILE)
-    try:
-        with open(meta_path + ".tmp", "w", encoding="utf-8") as f:
-            json.dump(meta, f, indent=2)
-        os.replace(meta_path + ".tmp", meta_path)
-    except OSError as e:
-        _remove(meta_path + ".tmp")
-        raise DataError(
-            f"cannot write {meta_path} ({e.strerror}): choose a writable --out"
-        ) from None
+    finally:  # a bad document, Ctrl-C, a full disk: no temporary file is left
+        if bar is not None:
+            bar.close()
+        for name in _tmp_names():
+            _remove(os.path.join(out_dir, name))
     return meta
 
 
