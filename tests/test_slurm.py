@@ -35,6 +35,10 @@ from multiprocess import (
     train_losses,
 )
 from slurm_cluster import running_cluster
+from test_shard_corpus import SHARDS, shard_tokens, write_corpus
+
+from trn_accum.train.data import TokenDataset
+from trn_accum.train.prepare import prepare_data
 
 SBATCH = REPO / "launch" / "slurm" / "fuji-3b-trn2.sbatch"
 VENV_BIN = Path(sys.executable).parent
@@ -480,3 +484,47 @@ def test_sbatch_bad_set_fails_the_job_before_any_rank_starts(cluster, tmp_path):
     assert not (run / "starts").exists()  # no rank ever ran
     errors = [ln for ln in _batch_log(tmp_path, job).splitlines() if "error" in ln.lower()]
     assert errors == ["trn-accum: error: trainer.steps = 'abc': must be an integer"], errors
+
+
+# ----------------------------------------------------------------------------- prepare-data.sbatch
+
+PREPARE_SBATCH = REPO / "launch" / "slurm" / "prepare-data.sbatch"
+_ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
+
+
+def _ended_tasks(cluster, job: str) -> list[str]:
+    """The JobState of each task of array job `job` that has ended (polled here: `sbatch --wait`
+    returned 30 s after such an array's last task ended)."""
+    out = cluster.run("scontrol", "-o", "show", "job", job).stdout
+    states = [t.partition("=")[2] for t in out.split() if t.startswith("JobState=")]
+    return [s for s in states if s in _ENDED]
+
+
+def test_prepare_data_array_writes_the_shards_of_one_corpus(cluster, tmp_path):
+    files = write_corpus(tmp_path)
+    prepare_data(files, str(tmp_path / "whole"), workers=1)
+    env = cpu_env(1)  # the tasks import trn_accum (and so JAX): CPU, no launcher variables
+    env.update(
+        TRN_ACCUM_HOME=str(REPO),
+        TRN_ACCUM_PREPARE=f"{sys.executable} -m trn_accum.cli prepare-data",
+    )
+    job = cluster.run(
+        "sbatch", "--parsable", f"--array=0-{SHARDS - 1}", "--cpus-per-task=1",
+        f"--output={tmp_path}/prepare-%a.out", str(PREPARE_SBATCH),
+        "--out", str(tmp_path / "tok"), "--tokenizer", "bytes", *files, env=env, cwd=tmp_path,
+    ).stdout.split(";")[0].strip()  # fmt: skip
+    wait_for(lambda: len(_ended_tasks(cluster, job)) == SHARDS, 120, "the array's tasks")
+    logs = [(tmp_path / f"prepare-{i}.out").read_text() for i in range(SHARDS)]
+    assert _ended_tasks(cluster, job) == ["COMPLETED"] * SHARDS, (
+        f"{logs}\n{cluster.job_report(job)}"
+    )
+    shards = [tmp_path / "tok" / f"shard-{i:05d}" for i in range(SHARDS)]
+    for i, log in enumerate(logs):
+        assert f"shard {i}/{SHARDS} -> {shards[i]}" in log, log
+    assert sorted((tmp_path / "tok").iterdir()) == shards
+    assert shard_tokens(shards) == (tmp_path / "whole" / "tokens.bin").read_bytes()
+    sharded = TokenDataset(str(tmp_path / "tok" / "shard-*"), seq_len=16, batch_size=4)
+    whole = TokenDataset(str(tmp_path / "whole"), seq_len=16, batch_size=4)
+    assert np.array_equal(sharded.tokens.offsets, whole.tokens.offsets)
+    got, want = sharded.rows(5, np.arange(4)), whole.rows(5, np.arange(4))
+    assert all(np.array_equal(got[k], want[k]) for k in want)

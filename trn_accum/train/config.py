@@ -177,6 +177,8 @@ def _describe(tp, choices) -> str:
         return "one of " + ", ".join(repr(c) for c in choices)
     if tp == (int | str):
         return 'an integer or "auto"'
+    if tp == (str | list[str]):  # data.path
+        return "a directory or glob, or a non-empty list of them"
     return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}[tp]
 
 
@@ -192,6 +194,10 @@ def _check_type(key: str, value: Any, tp, choices) -> None:
         ok = isinstance(value, bool)
     elif tp == (int | str):  # trainer.accum_steps
         ok = (isinstance(value, int) and not isinstance(value, bool)) or value == "auto"
+    elif tp == (str | list[str]):  # data.path
+        ok = isinstance(value, str) or (
+            isinstance(value, list) and bool(value) and all(isinstance(v, str) and v for v in value)
+        )
     else:  # pragma: no cover - a field type this module does not know
         raise TypeError(f"{key}: unsupported field type {tp}")
     if not ok:

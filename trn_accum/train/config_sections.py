@@ -46,7 +46,8 @@ class MeshConfig:
 @dataclass(frozen=True)
 class DataConfig:
     kind: str = field(default="synthetic", metadata=_choice(*DATA_KINDS))
-    path: str = ""  # token-file directory (kind = "tokens")
+    # kind = "tokens": a prepared directory, a glob of shard directories, or a list of those
+    path: str | list[str] = ""
     seq_len: int = 8192
     global_batch: int = 2048  # sequences per optimizer step, over all devices and minibatches
     seed: int = 0

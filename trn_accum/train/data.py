@@ -14,7 +14,8 @@ size), so a resumed run sees the batches it would have seen and every process bu
   and padded (minibatches carry unequal numbers of real tokens). No files.
 - ``TokenDataset``: a flat token file (uint16/uint32, read with ``os.pread``), a
   document-offsets file and a JSON sidecar (read as possibly garbage: every field is checked;
-  `trn_accum.train.tokens`), written by ``trn_accum.train.prepare``; every id of a host batch is
+  `trn_accum.train.tokens`), written by ``trn_accum.train.prepare``, or a set of such shard
+  directories read as one stream (`trn_accum.train.token_corpus`); every id of a host batch is
   checked against the model's vocabulary. Documents are cut into windows of ``seq_len + 1`` tokens
   (neighbours share one token); a short document or last window is padded (``target_mask``
   0). No packing across documents. A held-out set of documents forms the eval split.
@@ -154,11 +155,12 @@ def make_dataset(
     batch_size: int,
     vocab_size: int,
     seed: int = 0,
-    path: str | None = None,
+    path: str | Sequence[str] | None = None,
     eval_fraction: float = 0.01,
     max_seq_len: int | None = None,
 ) -> SyntheticDataset | TokenDataset:
-    """``kind`` "synthetic" or "tokens" (then ``path`` = prepared dir or its meta.json).
+    """``kind`` "synthetic" or "tokens" (then ``path`` = a prepared dir or its meta.json, a glob
+    of shard dirs, or a list of those: `trn_accum.train.token_corpus`).
 
     ``vocab_size`` is the model's: synthetic ids stay below it; token data whose vocabulary is
     larger is a ``DataError``.
@@ -175,7 +177,7 @@ def make_dataset(
         if not path:
             raise DataError(
                 "data kind 'tokens' needs a path: set the data path to a directory written by "
-                "`trn-accum prepare-data`"
+                "`trn-accum prepare-data` (or a glob or list of its shard directories)"
             )
         return TokenDataset(
             path,

@@ -1,22 +1,17 @@
-"""`TokenDataset`: the windows of a prepared token directory (`trn_accum.train.tokens`, written
-by `trn-accum prepare-data`) as the rows of global batches: documents cut into windows of
-seq_len + 1 tokens, a seeded held-out set of documents for eval, a seeded order per epoch."""
+"""`TokenDataset`: the windows of a prepared token directory, or of a set of shard directories
+read as one (`trn_accum.train.token_corpus`; written by `trn-accum prepare-data`), as the rows
+of global batches: documents cut into windows of seq_len + 1 tokens, a seeded held-out set of
+documents for eval, a seeded order per epoch."""
 
 from __future__ import annotations
 
-import functools
+from collections.abc import Sequence
 
 import numpy as np
 
 from trn_accum.train.batches import SPLITS, assemble, check_common, check_rows, check_split
-from trn_accum.train.tokens import (
-    DataError,
-    TokenFile,
-    check_ids,
-    check_vocab,
-    fingerprint,
-    read_meta,
-)
+from trn_accum.train.token_corpus import TokenCorpus
+from trn_accum.train.tokens import DataError, check_ids, check_vocab
 
 
 def document_windows(
@@ -40,8 +35,9 @@ def document_windows(
 
 
 class TokenDataset:
-    """Windows of a prepared token file (`trn_accum.train.tokens`), read with ``os.pread``;
-    every id of a host batch is checked against the model's vocabulary (`check_ids`).
+    """Windows of the prepared token directories `path` names (a directory, a glob or a list:
+    `TokenCorpus`), read with ``os.pread``; every id of a host batch is checked against the
+    model's vocabulary (`check_ids`).
 
     Train rows: sample ``i = step * batch_size + row`` of an endless stream that visits every
     train window once per epoch, in an order permuted with ``(seed, epoch)``. Eval rows: the
@@ -52,7 +48,7 @@ class TokenDataset:
 
     def __init__(
         self,
-        path: str,
+        path: str | Sequence[str],
         *,
         seq_len: int,
         batch_size: int,
@@ -62,7 +58,8 @@ class TokenDataset:
         max_seq_len: int | None = None,
     ):
         check_common(seq_len, batch_size, max_seq_len)
-        meta = read_meta(path)
+        corpus = TokenCorpus(path)
+        meta = corpus.meta
         if model_vocab is not None:
             check_vocab(meta, model_vocab)
         self.meta = meta
@@ -71,34 +68,14 @@ class TokenDataset:
         self.seed = int(seed)
         self.vocab_size = int(meta["vocab_size"])
         self.pad_id = int(meta.get("pad_id", meta["eos_id"]))
-        n_tok, n_doc = int(meta["num_tokens"]), int(meta["num_documents"])
+        n_doc = int(meta["num_documents"])
         self.model_vocab = int(model_vocab) if model_vocab is not None else self.vocab_size
-        self.tokens = TokenFile(meta["tokens_path"], meta["dtype"], n_tok)
-        try:
-            # read whole (8 bytes a document): no memory map to fault if the file changes
-            offsets = np.load(meta["offsets_path"], allow_pickle=False)
-        except (OSError, ValueError) as e:
-            raise DataError(
-                f"offsets file {meta['offsets_path']} is not a readable .npy array "
-                f"({type(e).__name__}): re-run `trn-accum prepare-data`"
-            ) from None
-        offsets = np.asarray(offsets, dtype=np.int64)
-        if (
-            offsets.ndim != 1
-            or offsets.size != n_doc + 1
-            or offsets[0] != 0
-            or offsets[-1] != n_tok
-            or np.any(np.diff(offsets) < 0)
-        ):
-            raise DataError(
-                f"offsets file {meta['offsets_path']} does not describe {n_doc} documents of "
-                f"{n_tok} tokens (needs {n_doc + 1} non-decreasing offsets from 0 to {n_tok}): "
-                f"re-run `trn-accum prepare-data`"
-            )
+        self.tokens = corpus
+        offsets = corpus.offsets
         start, length, doc = document_windows(offsets, self.seq_len)
         if start.size == 0:
             raise DataError(
-                f"token data {meta['tokens_path']} has no document of 2 or more tokens, so no "
+                f"token data {corpus.name} has no document of 2 or more tokens, so no "
                 f"training window: prepare it from non-empty text files"
             )
         eval_mask = self._held_out(doc, n_doc, float(eval_fraction))
@@ -109,10 +86,10 @@ class TokenDataset:
         self.eval_disjoint = bool(eval_mask.any())
         self._perm_cache: dict[int, np.ndarray] = {}
 
-    @functools.cached_property
+    @property
     def fingerprint(self) -> str:
-        """The data's identity in the run record (`trn_accum.train.tokens.fingerprint`)."""
-        return fingerprint(self.meta)
+        """The data's identity in the run record (`TokenCorpus.fingerprint`)."""
+        return self.tokens.fingerprint
 
     def _held_out(self, doc: np.ndarray, n_doc: int, fraction: float) -> np.ndarray:
         n_win = doc.size

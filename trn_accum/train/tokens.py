@@ -178,9 +178,9 @@ class TokenFile:
             )
         return np.frombuffer(raw, self.dtype)
 
-    def close(self) -> None:
+    def close(self, _close=os.close) -> None:  # bound early: `os` may be gone at exit
         if self._fd >= 0:
-            os.close(self._fd)
+            _close(self._fd)
             self._fd = -1
 
     def __del__(self):
