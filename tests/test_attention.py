@@ -1,7 +1,10 @@
-"""Attention implementations: blockwise and the NKI-kernel adapter against the plain reference."""
+"""Attention implementations: blockwise, flash and the NKI-kernel adapter against the plain
+reference."""
 
 import functools
+import importlib.util
 import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -13,8 +16,10 @@ from jax.sharding import PartitionSpec as P
 from trn_accum.core.accumulate import accumulate_gradients
 from trn_accum.core.mesh import build_mesh
 from trn_accum.model.attention import attention, blockwise_attention
+from trn_accum.model.flash import flash_attention
 from trn_accum.model.xent import cross_entropy
 from trn_accum.neuron import kernels as nki_kernels
+from trn_accum.neuron import preflight
 from trn_accum.neuron.kernels import nki_flash_attention
 
 B, S, H, KV, DH = 2, 24, 4, 2, 16
@@ -65,54 +70,120 @@ def masked_reference():
     return (q, k, v, ct, mask), want
 
 
+@pytest.mark.parametrize("impl", ["blockwise", "flash"])
 @pytest.mark.parametrize("block", [8, 7, 64], ids=["divides", "ragged", "larger-than-S"])
-def test_blockwise_equals_plain_gqa_with_padding_mask(masked_reference, block):
+def test_pure_jax_attention_equals_plain_gqa_with_padding_mask(masked_reference, impl, block):
     (q, k, v, ct, mask), want = masked_reference
-    fn = functools.partial(attention, impl="blockwise", block_size=block, kv_mask=mask)
+    fn = functools.partial(attention, impl=impl, block_size=block, kv_mask=mask)
     _assert_close(_out_and_grads(fn, q, k, v, ct), want)
 
 
-def test_blockwise_equals_plain_mha_no_mask():
+@pytest.mark.parametrize("block, chunk", [(7, 5), (8, 16), (5, 11)])
+def test_flash_chunks_equal_plain(masked_reference, block, chunk):
+    """Rows and columns cut into `chunk`-token pieces (online softmax across them), none of
+    them aligned with S=24 or with each other: the same output and gradients."""
+    (q, k, v, ct, mask), want = masked_reference
+    fn = functools.partial(flash_attention, kv_mask=mask, block_size=block, chunk=chunk)
+    _assert_close(_out_and_grads(fn, q, k, v, ct), want)
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        functools.partial(blockwise_attention, block_size=6),
+        functools.partial(flash_attention, block_size=6, chunk=8),
+    ],
+    ids=["blockwise", "flash"],
+)
+def test_pure_jax_attention_equals_plain_mha_no_mask(fn):
     q, k, v, ct = _inputs(h=2, kv=2, s=20, seed=1)
     want = _out_and_grads(attention, q, k, v, ct)
-    got = _out_and_grads(functools.partial(blockwise_attention, block_size=6), q, k, v, ct)
-    _assert_close(got, want)
+    _assert_close(_out_and_grads(fn, q, k, v, ct), want)
 
 
-def test_blockwise_bfloat16_close_to_plain():
+@pytest.mark.parametrize("impl", ["blockwise", "flash"])
+def test_pure_jax_attention_bfloat16_close_to_plain(impl):
     q, k, v, _ = (x.astype(jnp.bfloat16) for x in _inputs(seed=2))
-    got = jax.jit(functools.partial(blockwise_attention, block_size=8))(q, k, v)
+    got = jax.jit(functools.partial(attention, impl=impl, block_size=8))(q, k, v)
     assert got.dtype == jnp.bfloat16
     want = attention(q, k, v)
     np.testing.assert_allclose(got.astype(jnp.float32), want.astype(jnp.float32), atol=3e-2)
 
 
-def test_blockwise_program_has_no_score_matrix_and_static_loops():
-    """Forward + backward at S=1024: no [.., S, S] buffer, far less temp memory, static loops."""
-    s = 1024
+@pytest.mark.parametrize("impl", ["blockwise", "flash"])
+def test_query_that_sees_no_key_gives_zeros(impl):
+    """Key 0 masked: query 0 of row 0 sees nothing; its output and every gradient through it
+    are zero (the documented convention), and nothing is NaN."""
+    q, k, v, ct = _inputs(s=10, seed=6)
+    mask = jnp.ones((B, 10), bool).at[0, 0].set(False)
+    fn = functools.partial(attention, impl=impl, block_size=4, kv_mask=mask)
+    out, (dq, dk, dv) = _out_and_grads(fn, q, k, v, ct)
+    assert not any(np.isnan(x).any() for x in (out, dq, dk, dv))
+    np.testing.assert_array_equal(out[0, 0], 0.0)
+    np.testing.assert_array_equal(dq[0, 0], 0.0)
+    np.testing.assert_array_equal(dk[0, 0], 0.0)  # key 0 of row 0: no query reads it
+    np.testing.assert_array_equal(dv[0, 0], 0.0)
+
+
+S_BIG, BLOCK_BIG = 1024, 128
+
+
+def _fwd_bwd_compiled(impl, s=S_BIG):
+    """Forward + backward at S=s, block 128, compiled."""
     spec = jax.ShapeDtypeStruct((1, s, 4, 32), jnp.float32)
     kv_spec = jax.ShapeDtypeStruct((1, s, 2, 32), jnp.float32)
 
-    def fwd_bwd(impl):
-        def f(q, k, v, ct):
-            _, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, impl=impl, block_size=128), q, k, v)
-            return vjp(ct)
+    def f(q, k, v, ct):
+        fn = functools.partial(attention, impl=impl, block_size=BLOCK_BIG)
+        _, vjp = jax.vjp(fn, q, k, v)
+        return vjp(ct)
 
-        return jax.jit(f).lower(spec, kv_spec, kv_spec, spec).compile()
+    return jax.jit(f).lower(spec, kv_spec, kv_spec, spec).compile()
 
-    plain, blockwise = fwd_bwd("plain"), fwd_bwd("blockwise")
-    hlo = blockwise.as_text()
-    assert f"{s},{s}" in plain.as_text()  # the check below can see a score matrix
-    assert f"{s},{s}" not in hlo
-    plain_temp = plain.memory_analysis().temp_size_in_bytes
-    block_temp = blockwise.memory_analysis().temp_size_in_bytes
-    assert block_temp * 8 < plain_temp, (block_temp, plain_temp)
+
+@pytest.fixture(scope="module")
+def plain_temp_bytes():
+    compiled = _fwd_bwd_compiled("plain")
+    assert f"{S_BIG},{S_BIG}" in compiled.as_text()  # the checks below can see a score matrix
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+def _whiles(hlo):
+    return [line for line in hlo.splitlines() if re.search(r"\swhile\(", line)]
+
+
+def test_blockwise_program_has_no_score_matrix_and_static_loops(plain_temp_bytes):
+    """Forward + backward at S=1024: no [.., S, S] buffer, far less temp memory, static loops."""
+    compiled = _fwd_bwd_compiled("blockwise")
+    hlo = compiled.as_text()
+    assert f"{S_BIG},{S_BIG}" not in hlo
+    block_temp = compiled.memory_analysis().temp_size_in_bytes
+    assert block_temp * 8 < plain_temp_bytes, (block_temp, plain_temp_bytes)
     assert "conditional" not in hlo
-    whiles = [line for line in hlo.splitlines() if re.search(r"\swhile\(", line)]
+    whiles = _whiles(hlo)
     assert len(whiles) == 2  # one forward scan, one backward scan
-    n_pairs = (s // 128) * (s // 128 + 1) // 2  # causal block pairs only
+    n_pairs = (S_BIG // BLOCK_BIG) * (S_BIG // BLOCK_BIG + 1) // 2  # causal block pairs only
     for line in whiles:
         assert f'"known_trip_count":{{"n":"{n_pairs}"}}' in line, line
+
+
+def test_flash_program_is_loop_free_and_small(plain_temp_bytes):
+    """Forward + backward at S=1024: no [.., S, S] buffer, no loop, no conditional, no
+    dynamic-update-slice (the Neuron preflight finds nothing); temp memory a fraction of
+    plain's that grows with S (not S^2) from S=512 to 1024; S / block dots per pass."""
+    compiled = _fwd_bwd_compiled("flash")
+    hlo = compiled.as_text()
+    assert f"{S_BIG},{S_BIG}" not in hlo
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    assert temp * 4 < plain_temp_bytes, (temp, plain_temp_bytes)
+    temp_half = _fwd_bwd_compiled("flash", S_BIG // 2).memory_analysis().temp_size_in_bytes
+    assert temp < 2.5 * temp_half, (temp, temp_half)  # S^2 would be 4x
+    assert not _whiles(hlo) and "conditional" not in hlo
+    assert "dynamic-update-slice" not in hlo
+    assert preflight.preflight(hlo) == []
+    n = S_BIG // BLOCK_BIG
+    # forward 2 per row, dq 3 per row, dk and dv 3 per column (one batched dot for both)
+    assert len(re.findall(r"\sdot\(", hlo)) == 8 * n
 
 
 def _toy_loss(params, batch, *, impl, chunk):
@@ -127,9 +198,11 @@ def _toy_loss(params, batch, *, impl, chunk):
     return jnp.sum(per_token * batch["mask"]) / jnp.sum(batch["mask"])
 
 
-def test_blockwise_and_chunked_loss_inside_accumulation_wrapper():
-    """accumulate_gradients over 2 minibatches on a data x fsdp x model mesh, blockwise attention
-    and chunked loss == full-batch value_and_grad with plain attention and unchunked loss."""
+@pytest.mark.parametrize("impl", ["blockwise", "flash"])
+def test_pure_jax_attention_and_chunked_loss_inside_accumulation_wrapper(impl):
+    """accumulate_gradients over 2 minibatches on a data x fsdp x model mesh, blockwise or flash
+    attention and chunked loss == full-batch value_and_grad with plain attention and unchunked
+    loss."""
     d, vocab, b, s = 16, 32, 8, 12
     ks = jax.random.split(jax.random.key(5), 7)
     params = {
@@ -149,7 +222,7 @@ def test_blockwise_and_chunked_loss_inside_accumulation_wrapper():
         jax.value_and_grad(functools.partial(_toy_loss, impl="plain", chunk=None))
     )(params, batch)
     grad_fn = accumulate_gradients(
-        functools.partial(_toy_loss, impl="blockwise", chunk=10),
+        functools.partial(_toy_loss, impl=impl, chunk=10),
         steps=2,
         mesh=build_mesh({"data": 2, "fsdp": 2, "model": 2}),
         batch_spec=P(("data", "fsdp")),
@@ -268,9 +341,12 @@ def test_argument_errors():
     with pytest.raises(ValueError, match="kv_mask"):
         attention(q, k, v, impl="neuron_flash", kv_mask=jnp.ones((B, S), bool))
     with pytest.raises(ValueError, match="not one of"):
-        attention(q, k, v, impl="flash")
-    with pytest.raises(ValueError, match="block_size=0"):
-        attention(q, k, v, impl="blockwise", block_size=0)
+        attention(q, k, v, impl="flash2")
+    for impl in ("blockwise", "flash"):
+        with pytest.raises(ValueError, match="block_size=0"):
+            attention(q, k, v, impl=impl, block_size=0)
+    with pytest.raises(ValueError, match="chunk=-1"):
+        flash_attention(q, k, v, chunk=-1)
     with pytest.raises(ValueError, match="not a multiple"):
         attention(q, k[:, :, :1].repeat(3, axis=2), v[:, :, :1].repeat(3, axis=2))
 
@@ -420,3 +496,32 @@ def test_adapter_asks_the_backward_for_dv_transposed():
     fn = functools.partial(nki_flash_attention, fwd=ref["fwd"], bwd=bwd, lnc=1)
     _assert_close(_out_and_grads(fn, q, k, v, ct), _out_and_grads(plain_attention, q, k, v, ct))
     assert seen[0]["transpose_dv"] is True and "cp_offset" not in seen[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# benchmarks/attention.py at a toy size
+# ----------------------------------------------------------------------------------------------
+
+
+def _benchmark_script():
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "attention.py"
+    spec = importlib.util.spec_from_file_location("bench_attention", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_attention_benchmark_runs_every_row_and_prices_it(capsys):
+    """One table row per implementation asked for (no Pallas off a TPU); share of peak = the
+    trainer's causal attention FLOPs (6 H Dh S^2 per sequence) / time / tpu-v5e's 197e12."""
+    bench = _benchmark_script()
+    argv = ["--seq", "32", "--heads", "4", "--kv-heads", "2", "--head-dim", "8", "--runs", "1"]
+    rows = bench.main(argv + ["--blockwise", "8", "--flash", "8", "8:16", "--pallas", "8"])
+    assert [r["name"] for r in rows] == ["blockwise 8", "flash 8", "flash 8:16", "xla"]
+    flops = 6 * 4 * 8 * 32 * 32
+    assert bench.attention_flops(1, 32, 4, 8) == flops
+    for r in rows:
+        assert r["ms"] > 0 and r["share"] == pytest.approx(flops / (r["ms"] / 1e3) / 197e12)
+    assert "flash 8:16" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--flash", "8:x"])

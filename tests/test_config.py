@@ -96,7 +96,7 @@ BAD_OVERRIDES = [
     ("model.num_kv_heads=3", ["model.num_kv_heads", "3", "model.num_heads (4)"]),
     ("model.head_dim=15", ["model.head_dim", "15", "even"]),
     ("model.num_layers=0", ["model.num_layers", "0", ">= 1"]),
-    ("model.attention=flash", ["model.attention", "'flash'", "'blockwise'", "'neuron_flash'"]),
+    ("model.attention=flash2", ["model.attention", "'flash2'", "'blockwise'", "'neuron_flash'"]),
     ("model.compute_dtype=float16", ["model.compute_dtype", "float16", "'bfloat16'"]),
     ("model.remat=dots", ["model.remat", "'dots'", "'save_qkvo'"]),
     ("model.layer_loop=while", ["model.layer_loop", "'while'", "'scan'"]),

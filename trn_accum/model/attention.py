@@ -14,6 +14,9 @@ Implementations (`attention(..., impl=...)`):
   q, k, v, the output and the float32 log-sum-exp and recomputes each block's scores in the
   backward pass, so neither direction holds an [S, S] buffer: memory grows with S * block.
   GQA without repeating K/V heads. Any S (padded internally to a multiple of the block, masked).
+- "flash": pure JAX flash attention with no loops (`trn_accum.model.flash`): per query block its
+  output and log-sum-exp, dq per query block and dk/dv per key block, each written once, in
+  about S / block large batched dots per pass; static slices only. Any S, `kv_mask`.
 - "neuron_flash": the Neuron SDK's NKI Library training kernels (`attention_cte` forward with
   cached softmax statistics, `attention_bwd`; `nki` namespace) in a custom VJP, launched on the
   job's logical-core grid; the adapter is `trn_accum.neuron.kernels` (unit-tested on CPU with
@@ -21,8 +24,8 @@ Implementations (`attention(..., impl=...)`):
   causal masking alone already hides right-padding from every real token.
 
 A query that sees no key at all (every causally visible key masked by `kv_mask`) has no defined
-output: "plain" returns the mean of all values, "blockwise" returns zeros (and zero gradients).
-Mask the loss of such positions.
+output: "plain" returns the mean of all values, "blockwise" and "flash" return zeros (and zero
+gradients). Mask the loss of such positions.
 """
 
 from __future__ import annotations
@@ -35,12 +38,11 @@ import numpy as np
 from jax import lax
 
 from trn_accum.core.constraints import varying_like
+from trn_accum.model.flash import MASK_VALUE as _MASK_VALUE
+from trn_accum.model.flash import flash_attention
 from trn_accum.neuron import kernels as nki_kernels  # the NKI adapter; no Neuron import
 
-# Finite, so that a query with no visible key yields a uniform (not NaN) row.
-_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
-
-IMPLS = ("plain", "blockwise", "neuron_flash")
+IMPLS = ("plain", "blockwise", "flash", "neuron_flash")
 
 
 def plain_attention(q, k, v, kv_mask=None):
@@ -229,6 +231,8 @@ def attention(q, k, v, *, impl: str = "plain", block_size: int = 512, kv_mask=No
         return plain_attention(q, k, v, kv_mask)
     if impl == "blockwise":
         return blockwise_attention(q, k, v, kv_mask, block_size=block_size)
+    if impl == "flash":
+        return flash_attention(q, k, v, kv_mask, block_size=block_size)
     if impl == "neuron_flash":
         if kv_mask is not None:
             raise ValueError(
