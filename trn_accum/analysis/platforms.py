@@ -30,10 +30,8 @@ Links = Mapping[str, Mapping[str, float]]
 #   its example tables give bus bandwidths of about 53 GB/s with 2 ranks and 104 GB/s with 16
 #   ranks within one instance, about 47 GB/s across 2 instances, and a floor of 58 us (within an
 #   instance) to 520 us (across instances) per collective at small sizes;
-# - intra-node and inter-node collectives deep dives, neuron-runtime/explore/
-#   intranode-collective-comm and internode-collective-comm
-#   (https://awsdocs-neuron.readthedocs-hosted.com/en/latest/neuron-runtime/explore/intranode-collective-comm.html):
-#   a ring step costs about 1-2 us over NeuronLink and about 15 us over EFA.
+# - per-hop latencies (about 1-2 us within a node, about 15 us over EFA: the Neuron collectives
+#   deep dives) are `trn_accum.neuron.platform`'s HOP_* figures, shared with the peak links.
 # Bus bandwidth is what one rank's ring moves per second (nccl-tests' definition, which
 # nccom-test follows), i.e. `steptime.ring_time`'s bytes_per_s; a level never gets more than
 # its peak share (min with the peak link).
@@ -42,17 +40,14 @@ NEURON_BUSBW_NODE = 104e9
 NEURON_BUSBW_EFA = 47e9
 NEURON_FIXED_NODE_S = 58e-6
 NEURON_FIXED_EFA_S = 520e-6
-NEURON_HOP_CHIP_S = 1e-6
-NEURON_HOP_NODE_S = 2e-6
-NEURON_HOP_EFA_S = 15e-6
 
 
 def _achieved(peak: Links, busbw: Mapping[str, float]) -> dict[str, dict[str, float]]:
     """Neuron's achieved links: min(peak, bus bandwidth), per-hop latency, fixed cost."""
     hop = {
-        neuron.LINK_CHIP: NEURON_HOP_CHIP_S,
-        neuron.LINK_NODE: NEURON_HOP_NODE_S,
-        neuron.LINK_EFA: NEURON_HOP_EFA_S,
+        neuron.LINK_CHIP: neuron.HOP_CHIP_S,
+        neuron.LINK_NODE: neuron.HOP_NODE_S,
+        neuron.LINK_EFA: neuron.HOP_EFA_S,
     }
     fixed = {
         neuron.LINK_CHIP: NEURON_FIXED_NODE_S,
@@ -150,7 +145,12 @@ TRN2 = Platform(
 # a chip has 2 NeuronCore-v2, 190 dense BF16 TFLOP/s, 32 GiB at 820 GiB/s; Trn1 architecture
 # page (trn1-arch): 16 chips per trn1.32xlarge, EFA 800 Gbps (trn1n: 1,600). One JAX device is
 # one NeuronCore-v2. No NeuronLink-v2 bandwidth is published: the node link is the nccom-test
-# bus bandwidth for both the floor and the achieved figure.
+# bus bandwidth for both the floor and the achieved figure. Per-hop latencies: the achieved
+# links use the Neuron collectives pages' figures (the HOP_* of `trn_accum.neuron.platform`;
+# those pages cover Trn1 too); the floor's 2 / 5 / 20 us below are older assumptions, not cited.
+# Calibration: the Trn1 training performance page's Llama-3.1-8B run (47.95 sequences/s on 32
+# nodes, 21.36 s per step) is a predicted row of benchmarks/calibration.json; nothing is fitted
+# on trn1.
 TRN1_CHIP_PEAK_FLOPS = 190e12
 TRN1_CHIP_HBM_BYTES_S = 820 * 2**30
 TRN1_CHIP_HBM_GIB = 32.0

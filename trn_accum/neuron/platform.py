@@ -359,10 +359,14 @@ def peak_flops_per_device(platform: str | None = None, lnc: int | None = None) -
 #   direction, shared by the node's 64 devices (128 / LNC).
 # - Training best practices (training/best-practices): keep tensor parallelism (TP4) within a
 #   chip, FSDP over NeuronLink between chips, EFA between instances: the three classes here.
-# Latencies: AWS publishes none per hop; the inter-node collectives page
-# (neuron-runtime/explore/internode-collective-comm) only gives the step counts (ring O(N)).
-# The values below are assumptions of the order of on-chip DMA, chip-to-chip links and RDMA
-# over a network; they matter only for small messages.
+# - Per-hop latencies, from the Neuron collectives deep dives: a Ring/KangaRing hop within a
+#   node costs about 1-2 us, depending on HBM load ("Intra-node Collective Communications",
+#   https://awsdocs-neuron.readthedocs-hosted.com/en/latest/neuron-runtime/explore/intranode-collective-comm.html),
+#   taken as 1 us between the cores of a chip and 2 us over NeuronLink; a hop over EFA costs
+#   about 15 us ("Inter-node Collective Communications",
+#   https://awsdocs-neuron.readthedocs-hosted.com/en/latest/neuron-runtime/explore/internode-collective-comm.html).
+#   They matter only for small messages. The floor and the achieved links
+#   (`trn_accum.analysis.platforms`) use the same ones.
 
 LINK_CHIP = "chip"  # logical cores of one Trainium2 chip (the `model` axis at LNC=2)
 LINK_NODE = "node"  # NeuronLink-v3 between the 16 chips of one trn2.48xlarge
@@ -372,6 +376,9 @@ LINK_CLASSES = (LINK_CHIP, LINK_NODE, LINK_EFA)  # fastest to slowest
 TRN2_CHIP_HBM_BYTES_S = 2.9e12
 TRN2_CHIP_NEURONLINK_BYTES_S = 1024e9
 TRN2_NODE_EFA_BYTES_S = 3200e9 / 8
+HOP_CHIP_S = 1e-6  # per ring hop between the logical cores of one chip
+HOP_NODE_S = 2e-6  # per ring hop over NeuronLink
+HOP_EFA_S = 15e-6  # per ring hop over EFA
 
 
 def devices_per_chip(lnc: int = DEFAULT_LNC) -> int:
@@ -383,7 +390,10 @@ def trn2_links(lnc: int = DEFAULT_LNC) -> dict[str, dict[str, float]]:
     """{link class: {"bytes_per_s": per device and direction, "latency_s": per hop}}."""
     per_chip, per_node = devices_per_chip(lnc), devices_per_node(lnc)
     return {
-        LINK_CHIP: {"bytes_per_s": TRN2_CHIP_HBM_BYTES_S / 2 / per_chip, "latency_s": 2e-6},
-        LINK_NODE: {"bytes_per_s": TRN2_CHIP_NEURONLINK_BYTES_S / per_chip, "latency_s": 5e-6},
-        LINK_EFA: {"bytes_per_s": TRN2_NODE_EFA_BYTES_S / per_node, "latency_s": 20e-6},
+        LINK_CHIP: {"bytes_per_s": TRN2_CHIP_HBM_BYTES_S / 2 / per_chip, "latency_s": HOP_CHIP_S},
+        LINK_NODE: {
+            "bytes_per_s": TRN2_CHIP_NEURONLINK_BYTES_S / per_chip,
+            "latency_s": HOP_NODE_S,
+        },
+        LINK_EFA: {"bytes_per_s": TRN2_NODE_EFA_BYTES_S / per_node, "latency_s": HOP_EFA_S},
     }
