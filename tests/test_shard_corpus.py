@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 from pathlib import Path
 
@@ -86,11 +87,24 @@ def test_a_glob_of_shards_reads_as_the_unsharded_corpus(prepared):
         for s in steps:
             got, want = sharded.rows(s, rows, split), whole.rows(s, rows, split)
             assert all(np.array_equal(got[k], want[k]) for k in want), (split, s)
-    # a list names the same set; a one-shard glob is that directory, fingerprint and all
+    # a list names the same set; a set of one directory is that directory, fingerprint and all
     listed = _dataset([str(shards[0]), str(d / "tok" / "shard-0000[12]")])
     assert listed.fingerprint == sharded.fingerprint
-    one = _dataset(str(d / "tok" / "shard-00001*"))
-    assert one.fingerprint == fingerprint(read_meta(str(shards[1])))
+    assert _dataset([str(whole_dir)]).fingerprint == fingerprint(read_meta(str(whole_dir)))
+
+
+def test_some_parts_of_a_sharded_run_are_refused(prepared, tmp_path):
+    """A glob that matched the parts finished so far (the rest of the array still running)
+    names what is missing; a part listed twice (a copy) is refused too."""
+    d, _, shards = prepared
+    with pytest.raises(DataError) as e:
+        TokenCorpus(str(d / "tok" / "shard-0000[02]"))
+    assert "holds parts 0/3, 2/3 of a `prepare-data --shard I/3` run but not 1/3" in str(e.value)
+    with pytest.raises(DataError, match="holds parts 1/3 .* but not 0/3, 2/3"):
+        TokenCorpus(str(shards[1]))
+    copy = shutil.copytree(shards[2], tmp_path / "again")
+    with pytest.raises(DataError, match=re.escape(f"{copy} and {shards[2]} are both part 2/3")):
+        TokenCorpus([*map(str, shards), str(copy)])
 
 
 def test_another_set_of_shards_is_refused_on_resume(prepared, tmp_path):
@@ -99,7 +113,6 @@ def test_another_set_of_shards_is_refused_on_resume(prepared, tmp_path):
     prints = {
         "all": TokenCorpus(str(d / "tok" / "shard-*")).fingerprint,
         "whole": TokenCorpus(str(whole_dir)).fingerprint,
-        "two": TokenCorpus([s0, s1]).fingerprint,
         "reordered": TokenCorpus([s1, s0, s2]).fingerprint,
     }
     changed = tmp_path / "tok"
@@ -119,8 +132,8 @@ def test_another_set_of_shards_is_refused_on_resume(prepared, tmp_path):
     defaults = drift.run_record(config_to_dict(Config()), None)
     old = json.loads(json.dumps(drift.run_record(base, prints["all"])))  # as read back
     assert drift.trajectory_changes(old, drift.run_record(base, prints["all"]), defaults) == {}
-    changes = drift.trajectory_changes(old, drift.run_record(base, prints["two"]), defaults)
-    assert changes == {"data.fingerprint": (prints["all"], prints["two"])}
+    changes = drift.trajectory_changes(old, drift.run_record(base, prints["changed"]), defaults)
+    assert changes == {"data.fingerprint": (prints["all"], prints["changed"])}
     with pytest.raises(drift.ConfigDriftError, match="data.fingerprint .* --allow-config-change"):
         drift.check_drift(changes, set(), run_dir="run", step=2, record="checkpoint 2")
 

@@ -80,6 +80,16 @@ def shard_files(paths: list[str], index: int, count: int) -> list[str]:
     return mine
 
 
+def shard_record(paths: list[str], index: int, count: int) -> dict:
+    """meta.json's "shard" of part `index` of `count` of `paths`: the part, the count and the
+    run's identity (a digest of every input's absolute path, in order), so that the trainer can
+    tell a whole set of parts from some of them (`token_corpus.check_complete`)."""
+    run = hashlib.blake2b(
+        "\n".join(os.path.abspath(p) for p in paths).encode(), digest_size=8
+    ).hexdigest()
+    return {"index": index, "count": count, "run": run}
+
+
 def _check_workers(workers: int | None) -> int:
     if workers is None:
         return default_workers()
@@ -165,6 +175,7 @@ def prepare_data(
     tok = load_tokenizer(tokenizer)
     for p in text_files:
         check_input(p, binary_ok=binary_ok, text_field=text_field)
+    part = None if shard is None else shard_record(list(text_files), *shard)
     if shard is not None:
         text_files = shard_files(list(text_files), *shard)
     dtype = np.uint16 if tok.vocab_size <= 2**16 else np.uint32
@@ -197,6 +208,7 @@ def prepare_data(
             "offsets_file": OFFSETS_FILE,
             "tokenizer": tok.name,
             "sources": [os.path.abspath(p) for p in text_files],
+            **({} if part is None else {"shard": part}),
         }
         _commit(out_dir, meta)
     except OSError as e:

@@ -92,6 +92,38 @@ def check_agree(metas: Sequence[dict[str, Any]], dirs: Sequence[str]) -> None:
                 )
 
 
+def check_complete(metas: Sequence[dict[str, Any]], dirs: Sequence[str]) -> None:
+    """DataError when the set holds some parts of a `prepare-data --shard I/N` run but not
+    all N, or one part twice (each part's meta.json "shard": index, count, run): a glob that
+    matched the parts finished so far would train on part of the corpus."""
+    runs: dict[tuple[str, int], dict[int, str]] = {}
+    for d, meta in zip(dirs, metas, strict=True):
+        part = meta.get("shard")
+        if part is None:
+            continue
+        try:
+            key, index = (str(part["run"]), int(part["count"])), int(part["index"])
+        except (TypeError, KeyError, ValueError):
+            raise DataError(
+                f"token data {d} has a malformed shard record {part!r}: re-run `trn-accum "
+                f"prepare-data --shard I/N` for it"
+            ) from None
+        if index in runs.setdefault(key, {}):
+            raise DataError(
+                f"token data {d} and {runs[key][index]} are both part {index}/{key[1]} of one "
+                f"prepare-data run: list each part once"
+            )
+        runs[key][index] = d
+    for (_, count), parts in runs.items():
+        if missing := sorted(set(range(count)) - set(parts)):
+            have = ", ".join(f"{i}/{count}" for i in sorted(parts))
+            raise DataError(
+                f"data.path holds parts {have} of a `prepare-data --shard I/{count}` run but not "
+                f"{', '.join(f'{i}/{count}' for i in missing)} (not finished, or left out): "
+                f"wait for them or prepare them, then name the whole set (e.g. OUT/shard-*)"
+            )
+
+
 def _field(meta: dict[str, Any], key: str) -> Any:
     return meta.get(key, meta["eos_id"]) if key == "pad_id" else meta.get(key)
 
@@ -148,6 +180,7 @@ class TokenCorpus:
         self.dirs = corpus_dirs(path)
         self.metas = [read_meta(d) for d in self.dirs]
         check_agree(self.metas, self.dirs)
+        check_complete(self.metas, self.dirs)
         self.meta = merged_meta(self.metas, self.dirs)
         counts = [int(m["num_tokens"]) for m in self.metas]
         #: the stream position of each shard's first token

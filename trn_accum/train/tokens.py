@@ -35,7 +35,7 @@ BYTES_VOCAB_SIZE = 257
 SAMPLE_BLOCKS = 16
 SAMPLE_BLOCK_BYTES = 1 << 16
 #: sidecar fields that are not the data's identity (where it was prepared from)
-_NOT_IDENTITY = ("sources", "tokens_path", "offsets_path")
+_NOT_IDENTITY = ("sources", "shard", "tokens_path", "offsets_path")
 
 
 class DataError(UserError):
