@@ -35,7 +35,6 @@ from trn_accum.model import fuji
 from trn_accum.train import ckpt_reader, drift, rundir
 from trn_accum.train import step as train_step
 from trn_accum.train.checkpoint import Checkpointer, make_writable_dir
-from trn_accum.train.ckpt_dir import STEP_DIR
 from trn_accum.train.config import Config, config_from_dict, load_config
 from trn_accum.train.trainer import Trainer
 
@@ -117,12 +116,10 @@ def _place(host: np.ndarray, sharding) -> jax.Array:
 
 
 def _refuse_existing(run_dir: str) -> None:
-    """InteropError when `run_dir` holds a committed checkpoint (a step directory without
-    orbax's temporary suffix). The leftovers of a killed save (`<step>.orbax-checkpoint-tmp*`)
+    """InteropError when `run_dir` holds a committed checkpoint (`ckpt_reader.committed_steps`,
+    the trainer's listing rule). The leftovers of a killed save (`<step>.orbax-checkpoint-tmp*`)
     do not count: the `Checkpointer` that saves the import removes them, as for `train`."""
-    ckpts = os.path.join(run_dir, "checkpoints")
-    names = os.listdir(ckpts) if os.path.isdir(ckpts) else []
-    steps = sorted(int(m.group(1)) for n in names if (m := STEP_DIR.match(n)) and not m.group(2))
+    steps = ckpt_reader.committed_steps(os.path.join(run_dir, "checkpoints"))
     if steps:
         raise InteropError(
             f"run dir {run_dir} already holds checkpoints (steps {', '.join(map(str, steps))}): "
