@@ -135,7 +135,9 @@ def child(config: str, run_dir: str) -> int:
 
 
 def _row(config: str, run_dir: str, proc: subprocess.CompletedProcess, warmup: int) -> dict:
+    from trn_accum.analysis import platforms
     from trn_accum.train.config import load_config
+    from trn_accum.train.flops import flops_per_step
     from trn_accum.train.metrics import read_metrics
 
     cfg = load_config(config)
@@ -165,6 +167,17 @@ def _row(config: str, run_dir: str, proc: subprocess.CompletedProcess, warmup: i
         return row
     row.update(steady_stats(times, warmup))
     row["step_times_s"] = times
+    peak = platforms.get("tpu-v5e").peak_flops
+    row["mfu"] = flops_per_step(cfg)["total"] / row["median_step_s"] / peak
+    saved = os.path.join(run_dir, "config.json")  # the run's config, every "auto" resolved
+    if os.path.exists(saved):
+        with open(saved) as f:
+            ran = json.load(f)
+        row["resolved"] = {
+            "accum_steps": ran["trainer"]["accum_steps"],
+            "remat": ran["model"]["remat"],
+            "loss_chunk": ran["model"]["loss_chunk"],
+        }
     device_file = os.path.join(run_dir, DEVICE_FILE)
     if os.path.exists(device_file):
         with open(device_file) as f:

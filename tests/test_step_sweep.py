@@ -35,7 +35,9 @@ def test_proxy_rows_mfu_and_footprint_follow_from_the_measurement():
     rows = MEASURED["proxy_rows"]
     assert len(rows) >= 10
     peak = platforms.get("tpu-v5e").peak_flops
-    for row in rows:
+    refused = [r for r in rows if "error" in r]
+    assert all(r["refused_bytes"] > 15.75 * 2**30 for r in refused)  # the chip's refusals
+    for row in [r for r in rows if "error" not in r]:
         cfg = load_config(ROOT / row["config"], row["set"])
         assert cfg.trainer.accum_steps == row["accum_steps"]
         assert row["median_step_s"] == pytest.approx(statistics.median(row["step_times_s"]), 1e-4)

@@ -63,6 +63,11 @@ from trn_accum.model.xent import cross_entropy, lm_logits
 COMPUTE_DTYPES = ("bfloat16", "float32")
 LAYER_LOOPS = ("scan", "unroll")
 REMAT_POLICIES = ("none", "full", "save_qkvo")
+AUTO = "auto"  # model.remat / model.loss_chunk: resolved before the model is built
+_UNRESOLVED = (
+    '{key} = "auto" is chosen before the step is built (trn_accum.train.autosettings.resolve, '
+    "which the trainer and the dry-run call); set a value to build the model directly"
+)
 # "fan_in": std 1/sqrt(fan) per matrix, the reference's rule (AXLearn's golden init config for
 # fuji-3B-v3, axlearn/experiments/testdata/.../fuji-3B-v3_init.txt: normal(0, 1/fan_in) for
 # q/k/v/o/gate/up/down, the embedding normal(0, 1/fan_out)); "normal": std `init_std` for all.
@@ -104,10 +109,12 @@ class ModelConfig:
     compute_dtype: str = field(default="bfloat16", metadata=_choices(*COMPUTE_DTYPES))
     layer_loop: str = field(default="scan", metadata=_choices(*LAYER_LOOPS))
     # none | full | save_qkvo (reference: keep the q/k/v/o projections and attention context)
-    remat: str = field(default="none", metadata=_choices(*REMAT_POLICIES))
+    # "auto": chosen with trainer.accum_steps from memory before the step is built
+    # (trn_accum.train.autosettings), as is loss_chunk = "auto"
+    remat: str = field(default="none", metadata=_choices(*REMAT_POLICIES, AUTO))
     attention: str = field(default="plain", metadata=_choices(*ATTENTION_IMPLS))
     attention_block: int = 512  # block size of blockwise / flash attention
-    loss_chunk: int = 0  # tokens per batch shard per LM-head/cross-entropy chunk; 0 = no chunking
+    loss_chunk: int | str = 0  # tokens per batch shard per LM-head/cross-entropy chunk; 0 = whole
 
 
 REMAT_SAVED_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "context")
@@ -221,6 +228,8 @@ def _remat(fn, policy: str, *, in_scan: bool):
     if policy == "save_qkvo":
         saved = jax.checkpoint_policies.save_only_these_names(*REMAT_SAVED_NAMES)
         return jax.checkpoint(fn, policy=saved, prevent_cse=not in_scan)
+    if policy == AUTO:
+        raise ValueError(_UNRESOLVED.format(key="model.remat"))
     raise ValueError(f"model.remat = {policy!r}: not one of {REMAT_POLICIES}")
 
 
@@ -301,6 +310,8 @@ def loss_sums(params, batch, cfg: ModelConfig, plans: dict | None = None):
     # loss_chunk counts tokens per batch shard: a chunk of the global minibatch is loss_chunk x
     # its shards, so the chunk loop runs (tokens per shard / loss_chunk) times on any mesh and
     # node count (one compile on 2 nodes then stands for 32; see trn_accum.analysis.steptime)
+    if cfg.loss_chunk == AUTO:
+        raise ValueError(_UNRESOLVED.format(key="model.loss_chunk"))
     shards = batch_groups(labels.shape[0])
     chunk = min(cfg.loss_chunk * shards, labels.size) if cfg.loss_chunk else None
     per_token = cross_entropy(

@@ -57,7 +57,7 @@ from trn_accum.model import fuji
 from trn_accum.neuron import kernels, platform, preflight
 from trn_accum.plan import perfmodel, perfmodel_cli
 from trn_accum.plan.dryrun_report import format_report
-from trn_accum.train import autok, step
+from trn_accum.train import autosettings, step
 from trn_accum.train.config import load_config
 from trn_accum.train.flops import flops_per_step
 
@@ -193,7 +193,8 @@ def _run(cfg, config_path, overrides, devices, nodes, t_start, plat) -> dict[str
         )
     node_batch = cfg.data.global_batch // nodes
     mesh = step.make_mesh(cfg, devs)
-    cfg, tuned = autok.resolve_accum_steps(cfg, mesh, batch_rows=node_batch)
+    # "auto" settings fitted on the figure the fit check reads (the target's, not XLA:CPU's)
+    cfg, tuned = autosettings.resolve(cfg, mesh, batch_rows=node_batch)
     program = step.build_step(cfg, mesh, batch_rows=node_batch)
     k = cfg.trainer.accum_steps
     local_shape = dict(mesh.shape)
@@ -283,6 +284,7 @@ def _run(cfg, config_path, overrides, devices, nodes, t_start, plat) -> dict[str
         "accum_loop": cfg.trainer.loop,
         "attention": cfg.model.attention,
         "remat": cfg.model.remat,
+        "loss": autosettings.loss_chunk_report(cfg, mesh, rows_per_mb),
         "params": n_params,
         "bytes_per_device": {
             "params": p_bytes,

@@ -47,7 +47,9 @@ def format_report(r: Mapping[str, Any], *, as_json: bool = False) -> str:
         f"{r['rows_per_device_group_per_minibatch']} rows per device group per minibatch",
         *(r["autotune"]["text"].splitlines() if r.get("autotune") else []),
         f"model: {r['layers']} layers ({r['layer_loop']}), attention {r['attention']}, "
-        f"remat {r['remat']}",
+        f"remat {r['remat']}, loss chunk {r['loss']['tokens_per_chunk']} tokens per batch shard "
+        f"({r['loss']['chunks_per_minibatch']} per minibatch, logits "
+        f"{r['loss']['logit_bytes_per_device'] / 2**30:.2f} GiB per device)",
         f"parameters: {r['params']:,}",
         f"per device: params {_gib(b['params'])}, grads {_gib(b['grads'])}, optimizer state "
         f"{_gib(b['opt_state'])} (total {_gib(b['state_total'])}; exact shard sizes)",

@@ -2,18 +2,20 @@
 
 The search is `trn_accum.analysis.autotune.autotune` (a binary search over the valid k); the
 measure here compiles the real step (`trn_accum.train.step.build_step`, abstract state and
-batch, as `trn-accum dry-run` does) and takes what the dry-run reports as the compiled
-footprint: `memory_analysis()` arguments + outputs - aliased (donated state) + temporaries.
+batch, as `trn-accum dry-run` does) and reads, by default, the fit check's figure: the peak
+live bytes of the module the SPMD partitioner hands the backend, in the program's own dtypes
+(`trn_accum.analysis.target_memory`). The trainer and the dry-run read that one figure, on any
+backend, so a run picks the k its dry-run reported. Not the backend's own footprint
+(`figure="compiled"`): on a TPU v5e the compiler fits an over-budget step by recomputing, and
+its footprint then says "fits" for a slower step. Measured (docs/performance.md, "On the
+chip"): the 4-layer proxy at seq 8192 resolved on the chip's footprint to k=1 (14.67 GB of
+15.75 GiB) and ran 0.864 s a step; the estimate (20.77 GB) rules k=1 out, and k=2 ran 0.703 s.
 When compiling at full depth is slow (unrolled layers), it compiles at two reduced depths and
 extrapolates linearly in the layer count (`trn_accum.analysis.autotune.extrapolate`).
 
 Measured on the tiny Fuji (8 CPU devices, k=2), from 2 and 4 layers to 8: 3.8% above the
 compiled figure with scanned layers, 1.1% below with unrolled ones. Depth 1 is not used: a
 one-step layer scan compiles without its loop and breaks the line.
-
-CPU figures are a proxy for trn2 (XLA:CPU computes bf16 dots in float32): on CPU the budget
-(`trainer.memory_budget_gib`) is whatever the user sets; on trn2 it is the HBM of one logical
-core (`trn_accum.neuron.platform.DEVICE_BUDGET_GIB`).
 """
 
 from __future__ import annotations
@@ -33,13 +35,17 @@ from trn_accum.analysis.autotune import (
     candidate_steps,
     extrapolate,
 )
+from trn_accum.analysis.live_bytes import peak_live_bytes
 from trn_accum.analysis.memory import compiled_memory, footprint
+from trn_accum.analysis.partitioned import compile_partitioned
+from trn_accum.analysis.target_memory import refused_bytes
 from trn_accum.neuron.platform import DEVICE_BUDGET_GIB
 from trn_accum.train import step as step_lib
 
 DEFAULT_DEPTHS = (2, 4)
 FULL_DEPTH_LIMIT_S = 30.0  # predicted seconds per full-depth compile above which we extrapolate
 DEPTH_MODES = ("auto", "full", "extrapolate")
+FIGURES = ("compiled", "target")
 
 
 # (config with k and depth set, mesh, batch rows) -> (bytes, compile seconds). Compiles are
@@ -48,15 +54,28 @@ DEPTH_MODES = ("auto", "full", "extrapolate")
 _CACHE: dict[tuple, tuple[int, float]] = {}
 
 
-def _compile_step_bytes(cfg, mesh, batch_rows: int) -> tuple[int, float]:
+def _compile_step_bytes(cfg, mesh, batch_rows: int, figure: str) -> tuple[int, float]:
     """Compile the train step of `cfg` on `mesh` for a batch of `batch_rows` rows (abstract
-    state and batch, as the dry-run) -> (bytes per device, seconds)."""
-    key = (cfg, mesh, batch_rows)
+    state and batch, as the dry-run) -> (bytes per device, seconds). `figure` (FIGURES):
+    "target" (the default), the peak live bytes of the module the partitioner hands the backend
+    (`trn_accum.analysis.target_memory`'s estimate, the dry-run's fit check on CPU); "compiled",
+    this backend's compiled footprint. A compiler's out-of-memory refusal counts at the bytes it
+    asked (`target_memory.refused_bytes`)."""
+    key = (cfg, mesh, batch_rows, figure)
     if key in _CACHE:
         return _CACHE[key]
     t0 = time.perf_counter()
-    compiled = step_lib.build_step(cfg, mesh, batch_rows=batch_rows).compiled
-    total = footprint(compiled_memory(compiled))
+    program = step_lib.build_step(cfg, mesh, batch_rows=batch_rows)
+    try:
+        if figure == "target":
+            _, partitioned = compile_partitioned(program.lowered)
+            total = peak_live_bytes(partitioned)
+        else:
+            total = footprint(compiled_memory(program.compiled))
+    except Exception as e:  # a compiler that refuses a step too big asks for its bytes
+        total = refused_bytes(str(e))
+        if total is None:
+            raise
     if total is None:
         raise AutotuneError(
             f"accum_steps = auto: the {jax.default_backend()} backend reports no compiled memory; "
@@ -88,9 +107,13 @@ class CompiledMemory:
         depth: str = "auto",
         depths: tuple[int, int] = DEFAULT_DEPTHS,
         full_depth_limit_s: float = FULL_DEPTH_LIMIT_S,
+        figure: str = "target",
     ):
         if depth not in DEPTH_MODES:
             raise ValueError(f"depth={depth!r} must be one of {DEPTH_MODES}")
+        if figure not in FIGURES:
+            raise ValueError(f"figure={figure!r} must be one of {FIGURES}")
+        self.figure = figure
         l1, l2 = sorted(depths)
         if not 1 <= l1 < l2:
             raise ValueError(f"depths={depths!r} must be two different layer counts >= 1")
@@ -106,16 +129,17 @@ class CompiledMemory:
 
     @property
     def method(self) -> str:
+        what = (
+            "(arguments + outputs - aliased + temporaries)"
+            if self.figure == "compiled"
+            else "(the target's estimate: peak live bytes of the partitioned module)"
+        )
         if self.mode == "extrapolate":
             l1, l2 = self.depths
             return (
-                f"compiled at {l1} and {l2} layers, extrapolated linearly to {self.layers} "
-                "(arguments + outputs - aliased + temporaries)"
+                f"compiled at {l1} and {l2} layers, extrapolated linearly to {self.layers} {what}"
             )
-        return (
-            f"compiled at full depth, {self.layers} layers "
-            "(arguments + outputs - aliased + temporaries)"
-        )
+        return f"compiled at full depth, {self.layers} layers {what}"
 
     def _at(self, k: int, layers: int) -> tuple[int, float]:
         # The budget does not change the program: normalise it so the compile cache hits.
@@ -124,7 +148,7 @@ class CompiledMemory:
         )
         model = dataclasses.replace(self.cfg.model, num_layers=layers)
         cfg = dataclasses.replace(self.cfg, trainer=trainer, model=model)
-        return _compile_step_bytes(cfg, self.mesh, self.batch_rows)
+        return _compile_step_bytes(cfg, self.mesh, self.batch_rows, self.figure)
 
     def __call__(self, k: int) -> int:
         compiled: dict[int, int] = {}
@@ -164,12 +188,14 @@ def resolve_accum_steps(
     batch_rows: int | None = None,
     measure: Callable[[int], int] | None = None,
     depth: str = "auto",
+    figure: str = "target",
 ) -> tuple[Any, AutotuneResult | None]:
     """(cfg with trainer.accum_steps an int, the AutotuneResult or None if k was given).
 
     batch_rows: rows of the batch the step compiles for (default cfg.data.global_batch; one
     node's rows in a dry-run). The budget is cfg.trainer.memory_budget_gib per device; the
-    batch shards are the mesh's data x fsdp. `measure` defaults to `CompiledMemory`.
+    batch shards are the mesh's data x fsdp. `measure` defaults to `CompiledMemory` of
+    `figure` ("target" or "compiled", see `_compile_step_bytes`).
     """
     if cfg.trainer.accum_steps != "auto":
         return cfg, None
@@ -177,7 +203,7 @@ def resolve_accum_steps(
     shards = step_lib.batch_shards(mesh)
     cands = candidate_steps(rows, shards)
     if measure is None:
-        measure = CompiledMemory(cfg, mesh, batch_rows=rows, depth=depth)
+        measure = CompiledMemory(cfg, mesh, batch_rows=rows, depth=depth, figure=figure)
     budget = cfg.trainer.memory_budget_gib * GIB
     result = autotune(
         cands,

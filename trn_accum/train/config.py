@@ -264,7 +264,9 @@ def _check_config(cfg: Config) -> None:
     hi, lo, n = m.rope_high_freq_factor, m.rope_low_freq_factor, m.rope_original_max_len
     _require(hi > lo, "model.rope_high_freq_factor", hi, f"must be > rope_low_freq_factor {lo}")
     _require(n >= 1, "model.rope_original_max_len", n, "must be >= 1")
-    _require(m.loss_chunk >= 0, "model.loss_chunk", m.loss_chunk, "must be >= 0 (0 = no chunking)")
+    if m.loss_chunk != "auto":
+        rule = 'must be >= 0 (0 = no chunking), or "auto"'
+        _require(m.loss_chunk >= 0, "model.loss_chunk", m.loss_chunk, rule)
 
     try:
         check_axis_sizes(mesh.axes())

@@ -14,18 +14,19 @@ from typing import Any
 
 import jax
 
-from trn_accum.train import autok, drift, mesh_rules, step
+from trn_accum.train import autosettings, drift, mesh_rules, step
 from trn_accum.train import data as data_lib
 from trn_accum.train.config import Config, config_to_dict
 
 
 def resolve_accum_steps(cfg: Config, mesh: jax.sharding.Mesh) -> tuple[Config, Any]:
-    """(cfg with trainer.accum_steps = "auto" replaced by the smallest k whose compiled step fits
-    trainer.memory_budget_gib per device, the AutotuneResult); (cfg, None) when k is given."""
+    """(cfg with each "auto" of trainer.accum_steps, model.remat and model.loss_chunk replaced
+    by what fits trainer.memory_budget_gib per device, the search's result); (cfg, None) when
+    none is "auto" (`trn_accum.train.autosettings`)."""
     # Every process must pick the same k: compiled bytes agree everywhere, a choice of depth
     # by measured compile time ("auto") might not.
     depth = "auto" if jax.process_count() == 1 else "extrapolate"
-    return autok.resolve_accum_steps(cfg, mesh, depth=depth)
+    return autosettings.resolve(cfg, mesh, depth=depth)
 
 
 @dataclasses.dataclass
