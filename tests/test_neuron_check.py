@@ -176,3 +176,15 @@ def test_rows_that_compare_against_the_same_program_run_it_once(tmp_path, monkey
     first = c.train_step(once)
     assert c.train_step(c.probe(data=2, accum_steps=4, reduce="once")) == first
     assert len(builds) == 1 and first["loss"] > 0
+
+
+def test_auto_settings_probe_as_concrete_ones(tmp_path):
+    """A config whose remat and loss chunk are "auto" (chosen from memory when training) builds
+    a probe model the rows can compile: no remat (its numerics row compares "full") and the
+    whole loss; a set chunk is kept, cut to the probe's sequence."""
+    from trn_accum.plan.probe import Check
+
+    auto = Check(load_config(F3B, ["model.remat=auto", "model.loss_chunk=auto"]), str(tmp_path))
+    assert (auto.probe().model.remat, auto.probe().model.loss_chunk) == ("none", 0)
+    kept = Check(load_config(F3B, ["model.loss_chunk=128"]), str(tmp_path)).probe().model
+    assert (kept.remat, kept.loss_chunk) == ("save_qkvo", 128)

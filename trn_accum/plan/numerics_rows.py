@@ -128,7 +128,8 @@ def _sharp_bf16_inputs():
 
 def row_remat(c: Check) -> tuple[str, str]:
     m = dataclasses.replace(c.probe().model, compute_dtype="bfloat16", num_layers=1)
-    policy = c.cfg.model.remat if c.cfg.model.remat != "none" else "full"
+    # the config's policy against none; "full" where it has none or leaves it to the search
+    policy = c.cfg.model.remat if c.cfg.model.remat not in ("none", "auto") else "full"
     params = fuji.init_params(m, jax.random.key(2))
     tokens = jax.random.randint(jax.random.key(3), (2, 128), 0, m.vocab_size)
     batch = {"input_ids": tokens, "target_labels": tokens, "target_mask": jnp.ones_like(tokens)}

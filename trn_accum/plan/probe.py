@@ -45,7 +45,10 @@ class Check:
             compute_dtype="float32",
             layer_loop="scan",
             attention_block=min(c.model.attention_block, 128),
-            loss_chunk=min(c.model.loss_chunk, seq) if c.model.loss_chunk else 0,
+            loss_chunk=min(c.model.loss_chunk, seq) if c.model.loss_chunk not in (0, "auto") else 0,
+            # "auto" (chosen from memory at train time) probes as no remat (the numerics row
+            # then compares "full") and the whole loss
+            remat="none" if c.model.remat == "auto" else c.model.remat,
         )
         mesh = dataclasses.replace(c.mesh, data=data, fsdp=fsdp, model=model_axis, nodes=1)
         shards = n // model_axis

@@ -241,7 +241,7 @@ def resolve(
             search, chunk_of_k = smallest_k(remat, lambda k: cfg.model.loss_chunk), None
         else:  # the whole minibatch's loss at the smallest k it fits, else grown from the reference
             search, chunk_of_k = smallest_k(remat, lambda k: 0), reference
-            if search is None:
+            if search is None and tokens // ks[0] > REFERENCE_CHUNK:  # else the same programs
                 search = smallest_k(remat, reference)
             else:
                 chunk_of_k = None
@@ -271,7 +271,11 @@ def resolve(
     raise AutotuneError(
         f"remat / accum_steps = auto: no remat policy ({', '.join(remats)}) fits the budget of "
         f"{format_bytes(budget)} per device at any k ({', '.join(map(str, ks))}): "
-        + ", ".join(f"{r['remat']} k={r['k']}: {format_bytes(r['bytes'])}" for r in tried)
+        + ", ".join(
+            f"{r['remat']} k={r['k']} loss_chunk={r['loss_chunk'] or 'whole'}: "
+            f"{format_bytes(r['bytes'])}"
+            for r in tried
+        )
         + "; raise trainer.memory_budget_gib, shorten data.seq_len, or use more devices"
     )
 
