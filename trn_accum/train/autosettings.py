@@ -48,7 +48,10 @@ from trn_accum.train import step as step_lib
 REMAT_ORDER = ("none", "save_qkvo", "full")
 REFERENCE_CHUNK = 1024  # tokens per batch shard at which k is searched
 # Bytes per logit per device while one chunk is live: its float32 logits (4) and their float32
-# gradient (4), and the compute-dtype copy the LM head's backward reads (2).
+# gradient (4), and the compute-dtype copy the LM head's backward reads (2). Only a proposal, each
+# choice is compiled: the estimate's own difference between the whole loss and 1024-token chunks
+# is 7.3 B per logit on the 4-layer proxy (seq 2048, k 2, remat none) and 13.3 on the 3B (remat
+# none, k 2), the dry-runs in docs/performance.md and configs/fuji-3b-trn2.toml.
 LOGIT_BYTES = 10
 
 # (config with int settings, k) -> bytes per device
