@@ -165,10 +165,16 @@ def test_the_trainer_resolves_every_auto_on_the_fit_checks_figure(monkeypatch):
 
 def test_a_compiler_refusal_counts_at_the_bytes_it_asked(monkeypatch):
     """On a chip the compiler refuses a step too big instead of compiling it: the search reads
-    the bytes it asked (a TPU's message) and goes on; any other compile error is raised."""
+    the bytes it asked (a TPU's message) and goes on, on either figure; any other compile error
+    is raised on CPU, and on an accelerator whose plugin takes no dump options the "target"
+    figure is the backend's own footprint, said in the method."""
     from trn_accum.train import autok
 
+    oom = "RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm. Used 20.41G of 15.75G hbm."
+
     class Program:
+        lowered = "lowered"
+
         def __init__(self, message):
             self.message = message
 
@@ -176,10 +182,27 @@ def test_a_compiler_refusal_counts_at_the_bytes_it_asked(monkeypatch):
         def compiled(self):
             raise RuntimeError(self.message)
 
+    def refusing_partitioner(message):
+        def compile_partitioned(lowered):
+            raise RuntimeError(message)
+
+        return compile_partitioned
+
     cfg = load_config(TINY, ["model.remat=none"])
-    oom = "RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm. Used 20.41G of 15.75G hbm."
+    asked = round(20.41 * GIB)
     monkeypatch.setattr(autok.step_lib, "build_step", lambda *a, **k: Program(oom))
-    assert autok._compile_step_bytes(cfg, "mesh-a", 8, "compiled")[0] == round(20.41 * GIB)
+    monkeypatch.setattr(autok, "compile_partitioned", refusing_partitioner(oom))
+    assert autok._compile_step_bytes(cfg, "mesh-a", 8, "compiled")[0] == asked
+    assert autok._compile_step_bytes(cfg, "mesh-a", 8, "target")[0] == asked
     monkeypatch.setattr(autok.step_lib, "build_step", lambda *a, **k: Program("INTERNAL: boom"))
     with pytest.raises(RuntimeError, match="boom"):
         autok._compile_step_bytes(cfg, "mesh-b", 8, "compiled")
+    # an accelerator whose plugin refuses the dump options: its own footprint (refused here)
+    monkeypatch.setattr(autok, "compile_partitioned", refusing_partitioner("no option xla_dump"))
+    with pytest.raises(RuntimeError, match="no option xla_dump"):  # on CPU: raised
+        autok._compile_step_bytes(cfg, "mesh-c", 8, "target")
+    monkeypatch.setattr(autok.jax, "default_backend", lambda: "neuron")
+    monkeypatch.setattr(autok.step_lib, "build_step", lambda *a, **k: Program(oom))
+    measure = autok.CompiledMemory(cfg, "mesh-d", batch_rows=8, depth="full")
+    assert measure(1) == asked and measure.fell_back
+    assert "its own footprint instead" in measure.method

@@ -52,6 +52,19 @@ FIGURES = ("compiled", "target")
 # deterministic: a dry-run followed by training in one process, or a test that measures a
 # candidate itself, does not compile it twice.
 _CACHE: dict[tuple, tuple[int, float]] = {}
+FELL_BACK: set[tuple] = set()  # keys of _CACHE measured on the backend's footprint, not "target"
+
+
+def _asked_if_refused(measure: Callable[[], int | None]) -> int | None:
+    """measure(), or the bytes a compiler's out-of-memory refusal asked
+    (`target_memory.refused_bytes`); any other error is raised."""
+    try:
+        return measure()
+    except Exception as e:
+        asked = refused_bytes(str(e))
+        if asked is None:
+            raise
+        return asked
 
 
 def _compile_step_bytes(cfg, mesh, batch_rows: int, figure: str) -> tuple[int, float]:
@@ -60,22 +73,27 @@ def _compile_step_bytes(cfg, mesh, batch_rows: int, figure: str) -> tuple[int, f
     "target" (the default), the peak live bytes of the module the partitioner hands the backend
     (`trn_accum.analysis.target_memory`'s estimate, the dry-run's fit check on CPU); "compiled",
     this backend's compiled footprint. A compiler's out-of-memory refusal counts at the bytes it
-    asked (`target_memory.refused_bytes`)."""
+    asked (`target_memory.refused_bytes`). Where "target" cannot be read off an accelerator's
+    compile (a plugin that refuses XLA's dump options) it is that backend's footprint instead."""
     key = (cfg, mesh, batch_rows, figure)
     if key in _CACHE:
         return _CACHE[key]
     t0 = time.perf_counter()
     program = step_lib.build_step(cfg, mesh, batch_rows=batch_rows)
-    try:
-        if figure == "target":
-            _, partitioned = compile_partitioned(program.lowered)
-            total = peak_live_bytes(partitioned)
-        else:
-            total = footprint(compiled_memory(program.compiled))
-    except Exception as e:  # a compiler that refuses a step too big asks for its bytes
-        total = refused_bytes(str(e))
-        if total is None:
-            raise
+    if figure == "target":
+        try:
+            total = _asked_if_refused(
+                lambda: peak_live_bytes(compile_partitioned(program.lowered)[1])
+            )
+        except Exception:
+            if jax.default_backend() == "cpu":
+                raise
+            # a plugin that takes no XLA dump options (the partitioned module is read from a
+            # dump): this backend's own footprint instead, said in `CompiledMemory.method`
+            FELL_BACK.add(key)
+            total = _asked_if_refused(lambda: footprint(compiled_memory(program.compiled)))
+    else:
+        total = _asked_if_refused(lambda: footprint(compiled_memory(program.compiled)))
     if total is None:
         raise AutotuneError(
             f"accum_steps = auto: the {jax.default_backend()} backend reports no compiled memory; "
@@ -114,6 +132,7 @@ class CompiledMemory:
         if figure not in FIGURES:
             raise ValueError(f"figure={figure!r} must be one of {FIGURES}")
         self.figure = figure
+        self.fell_back = False  # some "target" figure was the backend's footprint instead
         l1, l2 = sorted(depths)
         if not 1 <= l1 < l2:
             raise ValueError(f"depths={depths!r} must be two different layer counts >= 1")
@@ -134,6 +153,8 @@ class CompiledMemory:
             if self.figure == "compiled"
             else "(the target's estimate: peak live bytes of the partitioned module)"
         )
+        if self.fell_back:
+            what += "; this backend took no dump options: its own footprint instead"
         if self.mode == "extrapolate":
             l1, l2 = self.depths
             return (
@@ -148,7 +169,9 @@ class CompiledMemory:
         )
         model = dataclasses.replace(self.cfg.model, num_layers=layers)
         cfg = dataclasses.replace(self.cfg, trainer=trainer, model=model)
-        return _compile_step_bytes(cfg, self.mesh, self.batch_rows, self.figure)
+        out = _compile_step_bytes(cfg, self.mesh, self.batch_rows, self.figure)
+        self.fell_back |= (cfg, self.mesh, self.batch_rows, self.figure) in FELL_BACK
+        return out
 
     def __call__(self, k: int) -> int:
         compiled: dict[int, int] = {}
