@@ -3,7 +3,8 @@
     .venv/bin/python benchmarks/target_memory.py [--tpu] [--only NAME ...] [--json]
 
 For every config our trainer ran on a TPU v5e chip (15.75 GiB: benchmarks/measured-tpu-v5e.json,
-the step-time rows and the 4-layer proxy rows of "memory_rows"), one device, prints:
+the step-time rows, the 4-layer proxy rows of "memory_rows", and `proxy_rows`: the sweeps of
+benchmarks/step_sweep.py with the chip's own footprint), one device, prints:
 
 - estimate: peak live bytes of the step's module in its own dtypes
   (`trn_accum.analysis.live_bytes`, the dry-run's fit figure where no TPU compiler is at hand);
@@ -32,13 +33,32 @@ def rows() -> list[dict]:
     """{name, config, overrides, chip} of every measured config (chip: "ran" or "refused")."""
     data = json.loads(MEASURED.read_text())
     out = [
-        {"name": Path(r["config"]).stem, "config": r["config"], "overrides": [], "chip": "ran"}
+        {
+            "name": Path(r["config"]).stem,
+            "config": r["config"],
+            "overrides": _resolved(r.get("resolved")),
+            "chip": "ran",
+        }
         for r in data["rows"]
     ]
     for r in data.get("memory_rows", []):
         if r.get("overrides") is not None:
             out.append({**r, "name": r["setting"]})
+    for r in data.get("proxy_rows", []):  # benchmarks/step_sweep.py's cases
+        chip = "refused" if "error" in r else "ran"
+        out.append({"name": r["name"], "config": r["config"], "overrides": r["set"], "chip": chip})
     return out
+
+
+def _resolved(settings: dict | None) -> list[str]:
+    """--set items for what a trainer run resolved from "auto" (its row's `resolved`)."""
+    if not settings:
+        return []
+    return [
+        f"trainer.accum_steps={settings['accum_steps']}",
+        f"model.remat={settings['remat']}",
+        f"model.loss_chunk={settings['loss_chunk']}",
+    ]
 
 
 def _program(row: dict, devices=None):
