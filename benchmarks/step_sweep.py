@@ -6,16 +6,17 @@ chip compiler's own memory figure for each (issues 45 and 46).
 From the repository root, package importable (PYTHONPATH=.), JAX_PLATFORMS unset on a TPU.
 The cases file is a JSON list of {"name", "config", "set": ["section.key=value", ...]}; each case
 is `trn_accum.train.config.load_config(config, set)` (what `trn-accum train --config C --set ...`
-reads) and its step the trainer's own (`trn_accum.train.step.build_step`, "auto" k resolved by
-`trn_accum.train.trainer.resolve_accum_steps`, as `Trainer.build` does). Opening the chip once
+reads) and its step the trainer's own (`trn_accum.train.step.build_step`, every "auto" resolved
+by `trn_accum.train.trainer.resolve_accum_steps`, as `Trainer.build` does). Opening the chip once
 for every case saves the ~15 s each process pays (measure_tpu.py's one process per config runs
 the trainer whole, data and logging included).
 
 Per case, one JSON line:
 
 - `compile_s`; `memory`: `compiled.memory_analysis()` (argument, output, alias, temp and
-  generated-code bytes) and `footprint_bytes`, what the fit check compares with the budget
-  (`trn_accum.analysis.memory.footprint`: arguments + outputs - aliased + temporaries);
+  generated-code bytes) and `footprint_bytes`, the chip compiler's footprint
+  (`trn_accum.analysis.memory.footprint`: arguments + outputs - aliased + temporaries; the
+  fit check's estimate beside it: benchmarks/target_memory.py);
   `bytes_limit` and `peak_bytes_in_use` from the chip's `memory_stats()`;
 - `step_times_s`: each of `--steps` steps after `--warmup`, wall time from the call to
   `jax.block_until_ready` of the new state and metrics (two synthetic batches alternate, made
