@@ -6,8 +6,8 @@ chip compiler's own memory figure for each (issues 45 and 46).
 From the repository root, package importable (PYTHONPATH=.), JAX_PLATFORMS unset on a TPU.
 The cases file is a JSON list of {"name", "config", "set": ["section.key=value", ...]}; each case
 is `trn_accum.train.config.load_config(config, set)` (what `trn-accum train --config C --set ...`
-reads) and its step the trainer's own (`trn_accum.train.step.build_step`, every "auto" resolved
-by `trn_accum.train.trainer.resolve_accum_steps`, as `Trainer.build` does). Opening the chip once
+reads), built by the trainer's own `trn_accum.train.trainer.Trainer.build` (mesh, every "auto"
+resolved, the compiled step, the config's data). Opening the chip once
 for every case saves the ~15 s each process pays (measure_tpu.py's one process per config runs
 the trainer whole, data and logging included).
 
@@ -19,7 +19,7 @@ Per case, one JSON line:
   fit check's estimate beside it: benchmarks/target_memory.py);
   `bytes_limit` and `peak_bytes_in_use` from the chip's `memory_stats()`;
 - `step_times_s`: each of `--steps` steps after `--warmup`, wall time from the call to
-  `jax.block_until_ready` of the new state and metrics (two synthetic batches alternate, made
+  `jax.block_until_ready` of the new state and metrics (the config's batches 0 and 1 alternate, made
   before the clock starts: the device's step, not the host's data);
 - `median_step_s`, `mfu` = `train.flops.flops_per_step(cfg)["total"]` / median / the
   platform's peak (`--platform`, default tpu-v5e: 197e12);
@@ -41,18 +41,16 @@ import jax
 from trn_accum.analysis import platforms
 from trn_accum.analysis.memory import compiled_memory, footprint
 from trn_accum.analysis.target_memory import refused_bytes
-from trn_accum.train import data as data_lib
-from trn_accum.train import mesh_rules, step
 from trn_accum.train.config import load_config
 from trn_accum.train.flops import flops_per_step
-from trn_accum.train.trainer import resolve_accum_steps
+from trn_accum.train.trainer import Trainer
 
 
 def run_case(case: dict, steps: int, warmup: int, peak: float) -> dict:
     """One case's row (see module docstring)."""
-    cfg = load_config(case["config"], case.get("set", []))
-    mesh = mesh_rules.make_mesh(cfg)
-    cfg, _ = resolve_accum_steps(cfg, mesh)
+    # the trainer's own build: mesh, every "auto" resolved, the step, the data
+    trainer = Trainer.build(load_config(case["config"], case.get("set", [])))
+    cfg = trainer.cfg
     row = {
         "accum_steps": cfg.trainer.accum_steps,
         "remat": cfg.model.remat,
@@ -65,31 +63,17 @@ def run_case(case: dict, steps: int, warmup: int, peak: float) -> dict:
         "hidden_dim": cfg.model.hidden_dim,
         "vocab_size": cfg.model.vocab_size,
     }
-    program = step.build_step(cfg, mesh)
     start = time.perf_counter()
-    compiled = program.compiled
+    compiled = trainer.program.compiled
     row["compile_s"] = round(time.perf_counter() - start, 2)
     row["memory"] = compiled_memory(compiled)
     row["footprint_bytes"] = footprint(row["memory"])
-    with jax.set_mesh(mesh):
-        state = jax.jit(
-            lambda: step.init_state(cfg, program.tx, jax.random.key(0)),
-            out_shardings=program.state_shardings,
-        )()
-    dataset = data_lib.make_dataset(
-        "synthetic",
-        seq_len=cfg.data.seq_len,
-        batch_size=cfg.data.global_batch,
-        vocab_size=cfg.model.vocab_size,
-        seed=0,
-        max_seq_len=cfg.model.max_seq_len,
-    )
-    sharding = step.batch_sharding(mesh)
-    batches = [data_lib.global_batch(dataset, i, cfg.data.global_batch, sharding) for i in (0, 1)]
+    state = trainer.init()
+    batches = [trainer.batch(i) for i in (0, 1)]
     times = []
     for i in range(warmup + steps):
         t0 = time.perf_counter()
-        state, metrics = compiled(state, batches[i % 2])
+        state, metrics = trainer.step(state, batches[i % 2])
         jax.block_until_ready((state, metrics))
         times.append(time.perf_counter() - t0)
     kept = times[warmup:]
