@@ -99,3 +99,23 @@ def test_platform_table():
     assert platforms.get("trn1").devices_per_node == 32
     with pytest.raises(ValueError, match="known platforms are trn2, trn1, tpu-v5e"):
         platforms.get("h100")
+
+
+COPIES = """HloModule c, num_partitions=2
+
+ENTRY %main (v: f32[64,32]) -> (f32[64,32], f32[64,32]) {
+  %v = f32[64,32]{1,0} parameter(0)
+  %e = f32[64,32]{1,0} exponential(%v)
+  %same = f32[64,32]{1,0} copy(%e)
+  %relaid = f32[64,32]{0,1} copy(%e)
+  ROOT %t = (f32[64,32]{1,0}, f32[64,32]{0,1}) tuple(%same, %relaid)
+}
+"""
+
+
+def test_a_copy_to_its_operands_own_layout_is_free_a_relayout_is_not():
+    """The partitioner's copy that keeps type and layout (XLA's algebraic simplifier removes it
+    in every backend) costs nothing; a copy to another layout reads and writes its bytes."""
+    f = pricing.op_features(parse_hlo(COPIES), tile=128)
+    assert f["kernel_bytes"] == 2 * 64 * 32 * 4  # the relayout alone
+    assert f["elementwise_bytes"] == 64 * 32 * 4  # the exponential
