@@ -12,7 +12,10 @@ the model's prediction, and a role: "fitted" (its measurement set a constant of
     python benchmarks/calibrate.py --fit trn2 --free overlap   # its overlap instead
     python benchmarks/calibrate.py --reprice       # predictions from the stored features at
                                                    # the constants now in platforms.py
-    python benchmarks/calibrate.py --predict NAME  # one row's prediction as JSON (its command)
+    python benchmarks/calibrate.py --predict NAME  # one row's (or target's) prediction as JSON
+    python benchmarks/calibrate.py --targets       # recompute the targets' stored features
+    python benchmarks/calibrate.py --range NAME    # a target's prediction under every
+                                                   # alternative the Trainium rows allow
 
 A TPU row's prediction is `trn-accum dry-run --config C --platform tpu-v5e --devices 1 --json`
 (step_time.config.summary.predicted_step_s). A Trainium row's is `--predict NAME`: the model of
@@ -25,6 +28,11 @@ the free ones are the non-negative least-squares solution over the fitted rows' 
 (scipy.optimize.nnls); the others keep their values. It prints the constants to put in
 platforms.py; `--reprice` then rewrites the predictions from the stored features, which is
 what the commands print (tests/test_calibration.py reruns the cheapest row to check).
+
+The range: a target (the table's "targets": a config we ship, no measurement) is priced under
+every alternative of `ALTERNATIVES` (the trn2 constants no published row pins down) that keeps
+every Trainium row within the target error; it prints the span of the target's step time and
+the central figure, the prediction at the constants in platforms.py.
 """
 
 from __future__ import annotations
@@ -40,6 +48,22 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TABLE = ROOT / "benchmarks" / "calibration.json"
 TARGET_PCT = 25.0
+TRAINIUM = ("trn2", "trn1")
+
+# What the published Trainium rows leave open (trn1 shares trn2's efficiencies and overlap,
+# platforms.py), each a bound of what is plausible, not a measurement: the dot efficiency
+# (0.85 is about what a bare bf16 matmul reaches on a TPU v5e; no trn2 matmul profile is
+# published), the elementwise efficiencies and the cost of a loop iteration borrowed from the
+# TPU v5e fit (x 1/4 to x 4; loop iterations also free), the collectives' achieved time
+# (nccom-test's published bandwidths, x 1/2 to x 2) and the overlap of ops and collectives (an
+# assumption, 0 to 1). The platform's own value of each is added.
+ALTERNATIVES = {
+    "dot": (0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.45, 0.5, 0.6, 0.7, 0.85),
+    "elementwise": (0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 4.0),
+    "loop_iteration": (0.0, 0.25, 0.5, 1.0, 2.0, 4.0),
+    "comm": (0.5, 0.75, 1.0, 1.5, 2.0),
+    "overlap": (0.0, 0.25, 0.5, 0.75, 1.0),
+}
 
 
 def load(path: pathlib.Path = TABLE) -> dict:
@@ -85,11 +109,29 @@ def predict_here(row: dict) -> dict:
     return perfmodel.predict(cfg, nodes=row["nodes"], layout=layout, plat=plat)
 
 
+def _entries(table: dict) -> dict[str, dict]:
+    """Rows and targets by name."""
+    return {r["name"]: r for r in [*table["rows"], *table.get("targets", [])]}
+
+
+def refresh_targets(table: dict) -> None:
+    """Each target's features and collectives, from its `--predict` command (a subprocess
+    with the emulated devices it needs)."""
+    from trn_accum.analysis.pricing import FEATURES
+
+    for t in table.get("targets", []):
+        s = run_row(t)
+        t["features"] = {k: s["ops"][k] for k in FEATURES}
+        t["comm_predicted_s"] = s["comm_predicted_s"]
+        t["predicted_s"] = round(s["predicted_step_s"], 4)
+        print(f"{t['name']:<40} predicted {t['predicted_s']:8.4f}", flush=True)
+
+
 def predict_in_subprocess(name: str) -> int:
     from trn_accum.analysis import platforms
     from trn_accum.plan.perfmodel import EMULATE_NODES
 
-    row = {r["name"]: r for r in load()["rows"]}[name]
+    row = _entries(load())[name]
     n = platforms.get(row["platform"]).devices_per_node * min(row["nodes"], EMULATE_NODES)
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", ""))
@@ -160,6 +202,87 @@ def price_row(row: dict, plat) -> float:
     ]
 
 
+def step_s(row: dict, plat, alt: dict | None = None) -> float:
+    """The step seconds of a row's (or target's) stored features and collectives at `plat`'s
+    constants, or at the alternative `alt` (keys of `ALTERNATIVES`): ops + comm - overlap x
+    min(ops, comm), as `trn_accum.analysis.stepsummary` combines them."""
+    import dataclasses
+
+    from trn_accum.analysis import pricing
+
+    eff, comm, overlap = plat.efficiency, row["comm_predicted_s"], plat.overlap
+    if alt is not None:
+        eff = dataclasses.replace(
+            eff,
+            dot=alt["dot"],
+            elementwise=eff.elementwise * alt["elementwise"],
+            loop_elementwise=eff.loop_elementwise * alt["elementwise"],
+            loop_iter_s=eff.loop_iter_s * alt["loop_iteration"],
+        )
+        comm, overlap = comm * alt["comm"], alt["overlap"]
+    ops = pricing.price(row["features"], plat.peak_flops, plat.hbm_bytes_s, eff)["total_s"]
+    return ops + comm - overlap * min(ops, comm)
+
+
+def alternatives(plat) -> list[dict]:
+    """Every combination of `ALTERNATIVES`, the platform's own value of each included."""
+    import itertools
+
+    own = {"dot": plat.efficiency.dot, "overlap": plat.overlap}
+    own.update({k: 1.0 for k in ("elementwise", "loop_iteration", "comm")})
+    axes = {k: sorted(set(v) | {own[k]}) for k, v in ALTERNATIVES.items()}
+    return [dict(zip(axes, combo, strict=True)) for combo in itertools.product(*axes.values())]
+
+
+def step_range(table: dict, name: str) -> dict:
+    """The target `name` priced at its platform's constants ("central_s") and under every
+    alternative that keeps every Trainium row within `TARGET_PCT` ("low_s", "high_s" and the
+    alternatives at each end; "admissible" of "alternatives" kept)."""
+    from trn_accum.analysis import platforms
+
+    target = {t["name"]: t for t in table.get("targets", [])}[name]
+    plat = platforms.get(target["platform"])
+    rows = [r for r in table["rows"] if r["platform"] in TRAINIUM]
+    every = alternatives(plat)
+    kept = [
+        a
+        for a in every
+        if all(
+            abs(step_s(r, platforms.get(r["platform"]), a) - r["measured_s"])
+            <= TARGET_PCT / 100 * r["measured_s"]
+            for r in rows
+        )
+    ]
+    if not kept:
+        raise SystemExit(f"{name}: no alternative keeps every Trainium row within the target")
+    priced = sorted((step_s(target, plat, a), i) for i, a in enumerate(kept))
+    (low, lo_i), (high, hi_i) = priced[0], priced[-1]
+    return {
+        "name": name,
+        "central_s": step_s(target, plat),
+        "low_s": low,
+        "high_s": high,
+        "low_at": kept[lo_i],
+        "high_at": kept[hi_i],
+        "admissible": len(kept),
+        "alternatives": len(every),
+        "rows": [r["name"] for r in rows],
+    }
+
+
+def _describe_range(got: dict) -> str:
+    def at(a: dict) -> str:
+        return ", ".join(f"{k} {v:g}" for k, v in a.items())
+
+    return (
+        f"{got['name']}: {got['central_s']:.2f} s at the platform's constants; "
+        f"{got['low_s']:.2f} to {got['high_s']:.2f} s under the {got['admissible']} of "
+        f"{got['alternatives']} alternatives that keep {', '.join(got['rows'])} within "
+        f"+-{TARGET_PCT:g} %\n  fastest at: {at(got['low_at'])}\n"
+        f"  slowest at: {at(got['high_at'])}"
+    )
+
+
 def reprice(table: dict) -> None:
     """Every row's prediction from its stored features and collectives at the constants now in
     platforms.py (what its command prints: pricing is linear, no compile needed)."""
@@ -168,9 +291,7 @@ def reprice(table: dict) -> None:
     for r in table["rows"]:
         if "features" not in r:
             continue
-        plat = platforms.get(r["platform"])
-        ops, comm = price_row(r, plat), r["comm_predicted_s"]
-        r["predicted_s"] = round(ops + comm - plat.overlap * min(ops, comm), 4)
+        r["predicted_s"] = round(step_s(r, platforms.get(r["platform"])), 4)
         r["error_pct"] = error_pct(r["predicted_s"], r["measured_s"])
         print(
             f"{r['name']:<40} measured {r['measured_s']:8.4f} predicted {r['predicted_s']:8.4f}"
@@ -208,15 +329,25 @@ def main(argv=None) -> int:
     )
     p.add_argument("--predict", default=None, metavar="NAME")
     p.add_argument("--reprice", action="store_true", help="predictions from stored features")
+    p.add_argument("--targets", action="store_true", help="recompute the targets' features")
+    p.add_argument("--range", default=None, metavar="NAME", help="a target's step-time range")
+    p.add_argument("--json", action="store_true", help="--range as JSON")
     a = p.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     if a.predict:
         if not os.environ.get("TRN_ACCUM_CALIBRATE_CHILD"):
             return predict_in_subprocess(a.predict)
-        row = {r["name"]: r for r in load()["rows"]}[a.predict]
-        print(json.dumps(predict_here(row), default=str))
+        print(json.dumps(predict_here(_entries(load())[a.predict]), default=str))
         return 0
     table = load()
+    if a.range:
+        got = step_range(table, a.range)
+        print(json.dumps(got) if a.json else _describe_range(got))
+        return 0
+    if a.targets:
+        refresh_targets(table)
+        TABLE.write_text(json.dumps(table, indent=1) + "\n")
+        return 0
     if a.fit:
         fit(table, a.fit, a.free.split(","))
         return 0

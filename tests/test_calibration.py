@@ -52,3 +52,65 @@ def test_the_cheapest_tpu_row_reproduces_its_prediction():
     assert r.returncode == 0, r.stderr[-2000:]
     summary = json.loads(r.stdout)["step_time"]["config"]["summary"]
     assert summary["predicted_step_s"] == pytest.approx(row["predicted_s"], rel=0.03)
+
+
+def _calibrate():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import calibrate
+
+    return calibrate
+
+
+def test_the_3b_range_holds_only_alternatives_every_trainium_row_allows():
+    """`calibrate.py --range fuji-3b-trn2`: the central figure (the platform's constants) lies in
+    the range; every alternative kept prices each published Trainium row within the target,
+    recomputed here from the stored features; the rows rule some alternatives out, and the
+    ends of the range are priced at the alternatives it names."""
+    from trn_accum.analysis import platforms, pricing
+
+    cal = _calibrate()
+    got = cal.step_range(TABLE, "fuji-3b-trn2")
+    (target,) = TABLE["targets"]
+    trn = [r for r in ROWS if r["platform"] in ("trn1", "trn2")]
+    assert got["rows"] == [r["name"] for r in trn]
+    assert got["low_s"] <= got["central_s"] <= got["high_s"]
+    assert 0 < got["admissible"] < got["alternatives"]
+
+    def step(row, alt):
+        plat = platforms.get(row["platform"])
+        e = plat.efficiency
+        eff = pricing.Efficiency(
+            dot=alt["dot"],
+            memory=e.memory,
+            elementwise=e.elementwise * alt["elementwise"],
+            loop_elementwise=e.loop_elementwise * alt["elementwise"],
+            kernel_s=e.kernel_s,
+            loop_iter_s=e.loop_iter_s * alt["loop_iteration"],
+        )
+        ops = pricing.price(row["features"], plat.peak_flops, plat.hbm_bytes_s, eff)["total_s"]
+        comm = row["comm_predicted_s"] * alt["comm"]
+        return ops + comm - alt["overlap"] * min(ops, comm)
+
+    for end in ("low", "high"):
+        alt = got[f"{end}_at"]
+        assert step(target, alt) == pytest.approx(got[f"{end}_s"], rel=1e-9)
+        for r in trn:
+            assert abs(step(r, alt) - r["measured_s"]) <= 0.25 * r["measured_s"], (end, r["name"])
+    rejected = [
+        a
+        for a in cal.alternatives(platforms.TRN2)
+        if any(abs(step(r, a) - r["measured_s"]) > 0.25 * r["measured_s"] for r in trn)
+    ]
+    assert len(rejected) == got["alternatives"] - got["admissible"]
+    own = platforms.TRN2
+    central = step(
+        target,
+        {
+            "dot": own.efficiency.dot,
+            "elementwise": 1.0,
+            "loop_iteration": 1.0,
+            "comm": 1.0,
+            "overlap": own.overlap,
+        },
+    )
+    assert got["central_s"] == pytest.approx(central, rel=1e-9)
