@@ -87,6 +87,14 @@ TESTS_JAX_NEXT := tests/test_accumulation.py tests/test_strategy.py tests/test_s
                   tests/test_model.py tests/test_attention.py tests/test_fsdp_program.py \
                   tests/test_hlo.py tests/test_target_memory.py
 
+# Left to the suite's JAX alone: the bf16 twin of the gather-once Fuji check (its float32 case,
+# the exact one, runs here) and the check that the trainer hands reduce="once" to its step
+# (config plumbing; the Fuji loss under "once" runs here): 352 s of the pass's 924 s on a loaded
+# CI, where the pass ends last.
+DESELECT_JAX_NEXT := \
+  --deselect 'tests/test_gather_once.py::test_fuji_loss_gathered_once_equals_per_minibatch[bfloat16]' \
+  --deselect tests/test_reduce_once.py::test_trainer_step_passes_reduce_from_config
+
 # What those tests import beyond the package: the test extra's runners and clients, not its
 # torch (PyPI's torch for Python >= 3.12 is the CUDA build, several GB; only the Hugging Face
 # test needs it, and it is not in this pass).
@@ -106,7 +114,7 @@ test-jax-next:
 	@echo "test-jax-next: not run: JAX $(JAX_NEXT) needs Python >= 3.12 and none was found (python3.12-3.14 on PATH or under pyenv); set PYTHON_NEXT=/path/to/python3.12+"
 else
 test-jax-next: $(STAMP_NEXT)   ## the core and model tests on JAX $(JAX_NEXT) (.venv-jax-next)
-	$(VENV_NEXT)/bin/python -m pytest -q -n 2 --dist loadgroup $(TESTS_JAX_NEXT)
+	$(VENV_NEXT)/bin/python -m pytest -q -n 2 --dist loadgroup $(TESTS_JAX_NEXT) $(DESELECT_JAX_NEXT)
 endif
 
 train: $(STAMP)

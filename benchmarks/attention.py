@@ -10,8 +10,8 @@ program that returns the output and the gradients of q, k and v for a fixed cota
 `jax.block_until_ready`. Rows:
 
 - `blockwise B`: `attention(impl="blockwise", block_size=B)` (the pair scan);
-- `flash B[:C]`: `attention(impl="flash")` with query/key block B and long-side chunk C
-  (`trn_accum.model.flash`; no C = whole rows and columns);
+- `flash B[:C]`: `attention(impl="flash")` with query block B and chunk C of the keys left of
+  a block (`trn_accum.model.flash`; no C = all of them in one dot);
 - `xla`: `jax.nn.dot_product_attention(is_causal=True)` (XLA's own, GQA native);
 - `pallas B` (on a TPU only, the reference): `jax.experimental.pallas.ops.tpu.flash_attention`
   with every block B (clamped to S), K/V repeated to the query heads inside the timed program

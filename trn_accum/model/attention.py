@@ -15,8 +15,9 @@ Implementations (`attention(..., impl=...)`):
   backward pass, so neither direction holds an [S, S] buffer: memory grows with S * block.
   GQA without repeating K/V heads. Any S (padded internally to a multiple of the block, masked).
 - "flash": pure JAX flash attention with no loops (`trn_accum.model.flash`): per query block its
-  output and log-sum-exp, dq per query block and dk/dv per key block, each written once, in
-  about S / block large batched dots per pass; static slices only. Any S, `kv_mask`.
+  output and log-sum-exp, then one backward pass over the same rows (dq per row, dk/dv summed
+  per key block), each result block written once, five large batched dots per piece of a row;
+  static slices only. Any S, `kv_mask`.
 - "neuron_flash": the Neuron SDK's NKI Library training kernels (`attention_cte` forward with
   cached softmax statistics, `attention_bwd`; `nki` namespace) in a custom VJP, launched on the
   job's logical-core grid; the adapter is `trn_accum.neuron.kernels` (unit-tested on CPU with

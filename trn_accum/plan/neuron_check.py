@@ -16,6 +16,7 @@ its reference (the same program another way, on the same devices, or exact arith
     reduce-once   reduce="once" equal to "per_minibatch"
     gather-once   trainer.gather = "once_unsharded" equal to "per_minibatch" (under "once")
     blockwise     blockwise attention equal to plain (output and gradients)
+    flash         the loop-free flash attention equal to plain (output and gradients)
     neuron-flash  neuron_flash equal to blockwise (the NKI kernels where importable, else the
                   CPU stand-ins, marked so), in float32 and in a sharp bf16 case that an
                   NKI Library before 2.30 fails (its attention_bwd scaled Q in bf16)
@@ -54,6 +55,7 @@ from trn_accum.plan.numerics_rows import (
     SHARP,
     row_accumulate,
     row_blockwise,
+    row_flash,
     row_gather_once,
     row_neuron_flash,
     row_reduce_once,
@@ -92,6 +94,7 @@ ROWS: tuple[tuple[str, Callable[[Check], tuple[str, str]]], ...] = (
     ("reduce-once", row_reduce_once),
     ("gather-once", row_gather_once),
     ("blockwise", row_blockwise),
+    ("flash", row_flash),
     ("neuron-flash", row_neuron_flash),
     ("kernel-pair", node_rows.row_kernel_pair),
     ("remat", row_remat),
@@ -109,6 +112,7 @@ MODEL_ROWS = frozenset(
         "reduce-once",
         "gather-once",
         "blockwise",
+        "flash",
         "neuron-flash",
         "kernel-pair",
         "remat",

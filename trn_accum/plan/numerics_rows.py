@@ -89,6 +89,16 @@ def row_blockwise(c: Check) -> tuple[str, str]:
     )
 
 
+def row_flash(c: Check) -> tuple[str, str]:
+    """The loop-free flash attention (two query blocks at least) equal to plain."""
+    args, block = _attention_inputs(c)
+    block = min(block, args[0].shape[1] // 2)
+    fn = functools.partial(attn_lib.attention, impl="flash", block_size=block)
+    return compare_attention(
+        fn, attn_lib.plain_attention, args, RTOL, f"flash (block {block}) vs plain"
+    )
+
+
 def row_neuron_flash(c: Check) -> tuple[str, str]:
     args, block = _attention_inputs(c)
     try:
