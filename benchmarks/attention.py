@@ -3,6 +3,8 @@
     python3 benchmarks/attention.py                    # S 2048 and 8192, B=1, 24/8 heads of 128
     python3 benchmarks/attention.py --seq 8192 --flash 512 1024 512:2048
     python3 benchmarks/attention.py --seq 256 --platform tpu-v5e   # a quick check on a CPU
+    python3 benchmarks/attention.py --seq 8192 --heads 12 --kv-heads 4 --counters --no-xla
+        # no timing: the step-time model's counters of each program (the 3B's per-device heads)
 
 From the repository root with the package importable (PYTHONPATH=.). Each row times one jitted
 program that returns the output and the gradients of q, k and v for a fixed cotangent (causal,
@@ -16,6 +18,12 @@ program that returns the output and the gradients of q, k and v for a fixed cota
 - `pallas B` (on a TPU only, the reference): `jax.experimental.pallas.ops.tpu.flash_attention`
   with every block B (clamped to S), K/V repeated to the query heads inside the timed program
   (it takes no grouped heads).
+
+`--counters` compiles each row instead of timing it and prints what the step-time model reads
+from its module (`trn_accum.analysis.pricing.op_features`): dot FLOPs, the bytes of kernels and
+elementwise ops (`kernel_bytes + elementwise_bytes + loop_elementwise_bytes`), loop iterations,
+and the peak live bytes the dry-run's fit estimates (`trn_accum.analysis.live_bytes`). Nothing
+is allocated: the inputs are shapes only, so S 8192 runs on a laptop.
 
 Share of peak: the project's FLOP count (`trn_accum.train.flops.flops_per_step`, causal attention
 of one layer: 6 H Dh S^2 per sequence) over the time, against `--platform`'s peak dense FLOP/s
@@ -105,6 +113,29 @@ def time_fwd_bwd(fn, inputs, runs: int) -> float:
     return median_runtime(jax.jit(step), inputs, runs, warmup=1)
 
 
+def counters(fn, inputs) -> dict:
+    """The step-time model's counters of `fn`'s forward + backward on `inputs`' shapes."""
+    from trn_accum.analysis import pricing
+    from trn_accum.analysis.hlo import parse_hlo
+    from trn_accum.analysis.live_bytes import peak_live_bytes
+    from trn_accum.analysis.partitioned import compile_partitioned
+
+    def step(q, k, v, ct):
+        out, vjp = jax.vjp(fn, q, k, v)
+        return out, vjp(ct)
+
+    shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in inputs]
+    _, text = compile_partitioned(jax.jit(step).lower(*shapes))
+    f = pricing.op_features(parse_hlo(text))
+    moved = f["kernel_bytes"] + f["elementwise_bytes"] + f["loop_elementwise_bytes"]
+    return {
+        "dot_flops": f["dot_flops"],
+        "bytes": moved,
+        "loop_iterations": f["loop_iterations"],
+        "live_bytes": peak_live_bytes(text),
+    }
+
+
 def make_inputs(args, seq: int):
     """q, k, v, ct: [B, S, H|KV, Dh] normal, in --dtype."""
     dt = jnp.dtype(args.dtype)
@@ -132,6 +163,7 @@ def parse_args(argv=None):
     p.add_argument("--pallas", type=int, nargs="*", default=[1024], help="TPU only")
     p.add_argument("--no-xla", action="store_true", help="leave out jax.nn.dot_product_attention")
     p.add_argument("--platform", choices=sorted(platforms.PLATFORMS), default="tpu-v5e")
+    p.add_argument("--counters", action="store_true", help="print the model's counters, no timing")
     args = p.parse_args(argv)
     if args.heads % args.kv_heads:
         p.error(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads}")
@@ -146,6 +178,8 @@ def parse_args(argv=None):
 def main(argv=None) -> list[dict]:
     """Print the table; return its rows (seq, name, ms, share)."""
     args = parse_args(argv)
+    if args.counters:
+        return print_counters(args)
     peak = platforms.get(args.platform).peak_flops
     device = jax.devices()[0]
     print(
@@ -165,6 +199,28 @@ def main(argv=None) -> list[dict]:
             rows.append({"seq": seq, "name": name, "ms": sec * 1e3, "share": share})
             line = f"{seq:>6} | {name:<16} | {sec * 1e3:>9.2f} | {flops / sec / 1e12:>8.2f}"
             print(f"{line} | {share:.3g}", flush=True)
+    return rows
+
+
+def print_counters(args) -> list[dict]:
+    """The --counters table; its rows (seq, name and `counters`' keys)."""
+    print(
+        f"{'S':>6} | {'implementation':<16} | dot FLOPs | kernel+elementwise bytes | loops | live"
+    )
+    rows = []
+    for seq in args.seq:
+        inputs = [
+            jax.ShapeDtypeStruct((args.batch, seq, h, args.head_dim), jnp.dtype(args.dtype))
+            for h in (args.heads, args.kv_heads, args.kv_heads, args.heads)
+        ]
+        for name, fn in candidates(args):
+            c = counters(fn, inputs)
+            rows.append({"seq": seq, "name": name, **c})
+            print(
+                f"{seq:>6} | {name:<16} | {c['dot_flops']:.3e} | {c['bytes']:.3e} | "
+                f"{c['loop_iterations']:.0f} | {c['live_bytes']:.3e}",
+                flush=True,
+            )
     return rows
 
 

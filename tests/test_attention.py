@@ -546,3 +546,20 @@ def test_attention_benchmark_runs_every_row_and_prices_it(capsys):
     assert "flash 8:16" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         bench.parse_args(["--flash", "8:x"])
+
+
+def test_attention_benchmark_counters_price_the_programs_without_running_them(capsys):
+    """--counters: per row the model's counters of its fwd + bwd program, from shapes alone.
+    With every dimension a multiple of the 128 tile, blockwise and flash do the same dot work:
+    two dots per causal block pair forward, five backward (a pair scan: 10 pairs of 4 blocks
+    of 128, forward and backward, 2 x 128^3 FLOPs each); the scan loops, flash does not."""
+    bench = _benchmark_script()
+    argv = ["--seq", "512", "--heads", "1", "--kv-heads", "1", "--head-dim", "128", "--counters"]
+    rows = bench.main(argv + ["--blockwise", "128", "--flash", "128", "--no-xla"])
+    by = {r["name"]: r for r in rows}
+    assert set(by) == {"blockwise 128", "flash 128"}
+    assert by["blockwise 128"]["loop_iterations"] == 2 * 10
+    assert by["flash 128"]["loop_iterations"] == 0
+    assert by["flash 128"]["dot_flops"] == by["blockwise 128"]["dot_flops"] == 7 * 10 * 2 * 128**3
+    assert all(r["bytes"] > 0 and r["live_bytes"] > 0 for r in rows)
+    assert "kernel+elementwise bytes" in capsys.readouterr().out
