@@ -1,6 +1,7 @@
 """Attention implementations: blockwise, flash and the NKI-kernel adapter against the plain
 reference."""
 
+import dataclasses
 import functools
 import importlib.util
 import re
@@ -15,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from trn_accum.core.accumulate import accumulate_gradients
 from trn_accum.core.mesh import build_mesh
+from trn_accum.model import attention as attn_lib
 from trn_accum.model.attention import attention, blockwise_attention
 from trn_accum.model.flash import flash_attention
 from trn_accum.model.xent import cross_entropy
@@ -563,3 +565,39 @@ def test_attention_benchmark_counters_price_the_programs_without_running_them(ca
     assert by["flash 128"]["dot_flops"] == by["blockwise 128"]["dot_flops"] == 7 * 10 * 2 * 128**3
     assert all(r["bytes"] > 0 and r["live_bytes"] > 0 for r in rows)
     assert "kernel+elementwise bytes" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("impl", ["blockwise", "flash"])
+def test_save_attention_keeps_the_residuals_so_no_forward_runs_twice(impl):
+    """A Fuji layer under remat save_attention saves the attention's output and log-sum-exp
+    (`RESIDUAL_NAMES`); under save_qkvo its gradient does exactly the attention's forward dots
+    once more (two per causal block pair: 10 pairs of 4 blocks of 128, 2 heads of 128, batch
+    1, 2 x 128^3 each), the price of keeping less."""
+    from trn_accum.analysis import pricing
+    from trn_accum.analysis.hlo import parse_hlo
+    from trn_accum.model import fuji
+
+    widths = dict(vocab_size=256, hidden_dim=256, num_heads=2, num_kv_heads=2, head_dim=128)
+    base = fuji.ModelConfig(
+        **widths,
+        num_layers=1,
+        ffn_dim=256,
+        max_seq_len=512,
+        layer_loop="unroll",
+        compute_dtype="float32",
+        attention=impl,
+        attention_block=128,
+    )
+    ids = jax.ShapeDtypeStruct((1, 512), jnp.int32)
+    mask = jax.ShapeDtypeStruct((1, 512), jnp.float32)
+    batch = {"input_ids": ids, "target_labels": ids, "target_mask": mask}
+
+    def dot_flops(remat):
+        cfg = dataclasses.replace(base, remat=remat)
+        params = jax.eval_shape(lambda: fuji.init_params(cfg, jax.random.key(0)))
+        grad = jax.jit(jax.grad(lambda p, b: fuji.loss_fn(p, b, cfg)[0]))
+        text = grad.lower(params, batch).as_text("hlo")
+        return pricing.op_features(parse_hlo(text))["dot_flops"]
+
+    assert set(attn_lib.RESIDUAL_NAMES) == {"attention_out", "attention_lse"}
+    assert dot_flops("save_qkvo") - dot_flops("save_attention") == 2 * 10 * 2 * 128**3 * 2

@@ -52,12 +52,14 @@ def test_chunk_candidates_and_the_analytic_size():
 
 def test_remat_none_smallest_k_and_the_whole_loss_when_they_fit():
     cfg = load_config(TINY, BIG + AUTO)
-    m = Model({"none": 1.2 * GIB, "save_qkvo": 0.6 * GIB, "full": 0.2 * GIB})
+    m = Model(
+        {"none": 1.2 * GIB, "save_attention": 0.7 * GIB, "save_qkvo": 0.6 * GIB, "full": 0.2 * GIB}
+    )
     new, r = auto.resolve(cfg, Mesh(), measure=m)
     # none, the whole minibatch's loss: k=1 1.45 GiB no, k=2 0.85 GiB + 4096 tokens' logits fits
     assert (r.remat, r.accum_steps, r.loss_chunk) == ("none", 2, 0)
     assert (new.model.remat, new.trainer.accum_steps, new.model.loss_chunk) == ("none", 2, 0)
-    assert {c[0] for c in m.calls} == {"none"}  # save_qkvo and full never compiled
+    assert {c[0] for c in m.calls} == {"none"}  # the saving policies and full never compiled
     assert r.whole_chunk == 4096 and r.bytes <= r.budget_bytes == GIB
     assert {"remat": "none", "k": 2, "loss_chunk": 0, "bytes": r.bytes, "fits": True} in r.tried
     assert all(row["loss_chunk"] == 0 for row in r.tried)  # no chunked loss compiled
@@ -68,8 +70,14 @@ def test_remat_none_smallest_k_and_the_whole_loss_when_they_fit():
 
 
 def test_next_policy_only_when_none_fits_at_any_k():
+    """The order: none, save_attention (no second attention forward), save_qkvo, full."""
     cfg = load_config(TINY, BIG + AUTO)
-    m = Model({"none": 64 * GIB, "save_qkvo": 1.2 * GIB, "full": 0.2 * GIB})
+    sizes = {"none": 64 * GIB, "save_attention": 1.3 * GIB, "save_qkvo": 1.2 * GIB}
+    m = Model({**sizes, "full": 0.2 * GIB})
+    _, r = auto.resolve(cfg, Mesh(), measure=m)
+    assert r.remat == "save_attention" and r.accum_steps == 2
+    assert [c[0] for c in m.calls].count("save_qkvo") == 0
+    m = Model({**sizes, "save_attention": 64 * GIB, "full": 0.2 * GIB})
     _, r = auto.resolve(cfg, Mesh(), measure=m)
     assert r.remat == "save_qkvo" and r.accum_steps == 2
     assert [c[0] for c in m.calls].count("full") == 0
@@ -90,12 +98,12 @@ def test_the_chunk_grows_as_far_as_the_memory_left_and_the_measure_agree():
 def test_set_values_are_kept():
     over = ["trainer.accum_steps=auto", "model.remat=full", "model.loss_chunk=auto"]
     cfg = load_config(TINY, BIG + over)
-    m = Model({"none": 0.0, "save_qkvo": 0.0, "full": 1.2 * GIB})
+    m = Model({"none": 0.0, "save_attention": 0.0, "save_qkvo": 0.0, "full": 1.2 * GIB})
     _, r = auto.resolve(cfg, Mesh(), measure=m)
     assert r.remat == "full" and {c[0] for c in m.calls} == {"full"}
     over = ["trainer.accum_steps=4", "model.remat=auto", "model.loss_chunk=256"]
     cfg = load_config(TINY, BIG + over)
-    m = Model({"none": 0.2 * GIB, "save_qkvo": 0.0, "full": 0.0})
+    m = Model({"none": 0.2 * GIB, "save_attention": 0.0, "save_qkvo": 0.0, "full": 0.0})
     new, r = auto.resolve(cfg, Mesh(), measure=m)
     assert (new.model.remat, new.trainer.accum_steps, new.model.loss_chunk) == ("none", 4, 256)
     assert m.calls == [("none", 4, 256)]
@@ -103,11 +111,12 @@ def test_set_values_are_kept():
 
 def test_nothing_fits_is_one_line_naming_every_policy():
     cfg = load_config(TINY, BIG + AUTO)
-    m = Model({"none": 64 * GIB, "save_qkvo": 64 * GIB, "full": 64 * GIB})
+    m = Model({p: 64 * GIB for p in ("none", "save_attention", "save_qkvo", "full")})
     with pytest.raises(AutotuneError) as e:
         auto.resolve(cfg, Mesh(), measure=m)
     msg = str(e.value)
-    assert "\n" not in msg and "none, save_qkvo, full" in msg and "memory_budget_gib" in msg
+    assert "\n" not in msg and "none, save_attention, save_qkvo, full" in msg
+    assert "memory_budget_gib" in msg
 
 
 def test_config_values_and_the_model_refuses_an_unresolved_auto():

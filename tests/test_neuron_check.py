@@ -187,4 +187,4 @@ def test_auto_settings_probe_as_concrete_ones(tmp_path):
     auto = Check(load_config(F3B, ["model.remat=auto", "model.loss_chunk=auto"]), str(tmp_path))
     assert (auto.probe().model.remat, auto.probe().model.loss_chunk) == ("none", 0)
     kept = Check(load_config(F3B, ["model.loss_chunk=128"]), str(tmp_path)).probe().model
-    assert (kept.remat, kept.loss_chunk) == ("save_qkvo", 128)
+    assert (kept.remat, kept.loss_chunk) == ("save_attention", 128)

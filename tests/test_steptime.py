@@ -298,7 +298,9 @@ def test_explore_tiny_candidates_and_recommendation(monkeypatch):
 
     def fake(cfg, *, nodes, layout, **_):  # remat "none" recomputes nothing: less compute
         k, once = cfg.trainer.accum_steps, cfg.trainer.reduce == "once"
-        compute = {"none": 0.75, "save_qkvo": 1.0, "full": 1.25}[cfg.model.remat]
+        compute = {"none": 0.75, "save_attention": 0.9, "save_qkvo": 1.0, "full": 1.25}[
+            cfg.model.remat
+        ]
         efa_s = {"per_minibatch": 0.1, "once": 0.06, "once_unsharded": 0.05}[cfg.trainer.gather]
         s = _summary(0.0 if once else 100.0 * k, 10.0 * k, efa_s if once else 0.2 * k, compute)
         target = resolve_axes(cfg.mesh.axes(), layout.devices_per_node * nodes)
@@ -331,7 +333,7 @@ def test_explore_tiny_candidates_and_recommendation(monkeypatch):
         ("reference x2 k=2 per_minibatch", True),
         # stage two: the fastest of those (hybrid k=2 once) with the other remat policies
         ("hybrid x2 k=2 once remat=none", True),
-        ("hybrid x2 k=2 once remat=full", True),
+        ("hybrid x2 k=2 once remat=full", True),  # (save_attention: save_qkvo with plain)
         # stage three: the fastest "once" candidate (remat none) with each gather option
         ("hybrid x2 k=2 once remat=none gather=once", True),
         ("hybrid x2 k=2 once remat=none gather=once_unsharded", True),

@@ -81,10 +81,11 @@ def activation_estimate(cfg: Any, rows_per_minibatch: int, model_axis: int) -> d
     t = rows per device group per minibatch x seq tokens (replicated over the `model` axis;
     heads and FFN hidden split over it), c = compute bytes. Saved per layer: remat "full":
     the layer input (t·D·c); "save_qkvo": + q, k, v, context (t·(2H+2KV)·Dh/m·c) + o projection
-    (t·D·c); "none": everything a layer makes (+ norms, FFN gate/up/act, attention scores when
-    plain). Plus the working set of one layer recomputed in backward, the logits (float32,
-    vocabulary split over `model`; one chunk when loss_chunk > 0) and the all-gathered bf16
-    weights of one layer and of the embedding (FSDP).
+    (t·D·c); "save_attention": + the blockwise or flash attention's own residuals, its output
+    and float32 log-sum-exp (t·H/m·(Dh·c + 4)); "none": everything a layer makes (+ norms, FFN
+    gate/up/act, attention scores when plain). Plus the working set of one layer recomputed in
+    backward, the logits (float32, vocabulary split over `model`; one chunk when loss_chunk > 0)
+    and the all-gathered bf16 weights of one layer and of the embedding (FSDP).
     """
     m = cfg.model
     mp = max(1, model_axis)
@@ -106,9 +107,11 @@ def activation_estimate(cfg: Any, rows_per_minibatch: int, model_axis: int) -> d
         blk = min(m.attention_block, s)
         scores = rows_per_minibatch * (h // mp) * s * blk * 4 * 2
     full_layer = t * c * (5 * d) + qkvc + t * c * 3 * f // mp + scores
+    residuals = t * (h // mp) * (dh * c + 4) if m.attention in ("blockwise", "flash") else 0
     per_layer = {
         "full": t * d * c,
         "save_qkvo": t * d * c + qkvc + t * d * c,
+        "save_attention": t * d * c + qkvc + t * d * c + residuals,
         "none": full_layer,
     }[m.remat]
     logit_tokens = t if m.loss_chunk <= 0 else min(t, m.loss_chunk)

@@ -11,7 +11,8 @@ Implementations (`attention(..., impl=...)`):
 - "blockwise": pure JAX flash attention. Queries and keys in blocks of `block_size`, an online
   softmax in float32, one `lax.scan` over the n(n+1)/2 causal (query block, key block) pairs
   (static trip count; blocks above the diagonal are never computed). Its custom VJP saves only
-  q, k, v, the output and the float32 log-sum-exp and recomputes each block's scores in the
+  q, k, v, the output and the float32 log-sum-exp (the last two named `RESIDUAL_NAMES`, which
+  a remat policy can keep) and recomputes each block's scores in the
   backward pass, so neither direction holds an [S, S] buffer: memory grows with S * block.
   GQA without repeating K/V heads. Any S (padded internally to a multiple of the block, masked).
 - "flash": pure JAX flash attention with no loops (`trn_accum.model.flash`): per query block its
@@ -40,10 +41,11 @@ from jax import lax
 
 from trn_accum.core.constraints import varying_like
 from trn_accum.model.flash import MASK_VALUE as _MASK_VALUE
-from trn_accum.model.flash import flash_attention
+from trn_accum.model.flash import RESIDUAL_NAMES, flash_attention, name_residuals
 from trn_accum.neuron import kernels as nki_kernels  # the NKI adapter; no Neuron import
 
 IMPLS = ("plain", "blockwise", "flash", "neuron_flash")
+__all__ = ["IMPLS", "RESIDUAL_NAMES", "attention", "blockwise_attention", "plain_attention"]
 
 
 def plain_attention(q, k, v, kv_mask=None):
@@ -139,7 +141,7 @@ def _flash(q, k, v, key_valid, block):
 
 
 def _flash_fwd_rule(q, k, v, key_valid, block):
-    o, lse = _flash_forward(q, k, v, key_valid, block)
+    o, lse = name_residuals(*_flash_forward(q, k, v, key_valid, block))
     return o.transpose(0, 3, 1, 2, 4), (q, k, v, key_valid, o, lse)
 
 

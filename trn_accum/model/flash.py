@@ -41,10 +41,21 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 # Finite, so that a fully masked row gives exp(0) (then zeroed, or uniform in "plain"), never NaN.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 _F32 = jnp.float32
+
+#: The names of what the attention's backward reads besides its inputs, its output and float32
+#: log-sum-exp (flash and blockwise): a remat policy that saves them
+#: (`jax.checkpoint_policies.save_only_these_names`) spares the backward a second forward pass.
+RESIDUAL_NAMES = ("attention_out", "attention_lse")
+
+
+def name_residuals(o, lse):
+    """(o, lse) named `RESIDUAL_NAMES` for remat policies."""
+    return checkpoint_name(o, RESIDUAL_NAMES[0]), checkpoint_name(lse, RESIDUAL_NAMES[1])
 
 
 def _spans(start: int, stop: int, size: int) -> list[tuple[int, int]]:
@@ -130,7 +141,7 @@ def _flash(q, k, v, valid, block, chunk):
 
 
 def _flash_fwd_rule(q, k, v, valid, block, chunk):
-    o, lse = _flash_forward(q, k, v, valid, block, chunk)
+    o, lse = name_residuals(*_flash_forward(q, k, v, valid, block, chunk))
     return o, (q, k, v, valid, o, lse)
 
 

@@ -39,6 +39,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from trn_accum.core import gather_once
 from trn_accum.model.attention import IMPLS as ATTENTION_IMPLS
+from trn_accum.model.attention import RESIDUAL_NAMES as ATTENTION_RESIDUALS
 from trn_accum.model.attention import attention
 from trn_accum.model.params import (  # noqa: F401  (re-exported: the model's public names)
     LOGICAL_AXES,
@@ -62,7 +63,7 @@ from trn_accum.model.xent import cross_entropy, lm_logits
 
 COMPUTE_DTYPES = ("bfloat16", "float32")
 LAYER_LOOPS = ("scan", "unroll")
-REMAT_POLICIES = ("none", "full", "save_qkvo")
+REMAT_POLICIES = ("none", "full", "save_qkvo", "save_attention")
 AUTO = "auto"  # model.remat / model.loss_chunk: resolved before the model is built
 _UNRESOLVED = (
     '{key} = "auto" is chosen before the step is built (trn_accum.train.autosettings.resolve, '
@@ -109,6 +110,7 @@ class ModelConfig:
     compute_dtype: str = field(default="bfloat16", metadata=_choices(*COMPUTE_DTYPES))
     layer_loop: str = field(default="scan", metadata=_choices(*LAYER_LOOPS))
     # none | full | save_qkvo (reference: keep the q/k/v/o projections and attention context)
+    # | save_attention (save_qkvo and the attention's output and log-sum-exp: no second forward)
     # "auto": chosen with trainer.accum_steps from memory before the step is built
     # (trn_accum.train.autosettings), as is loss_chunk = "auto"
     remat: str = field(default="none", metadata=_choices(*REMAT_POLICIES, AUTO))
@@ -118,6 +120,21 @@ class ModelConfig:
 
 
 REMAT_SAVED_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "context")
+# What each saving policy keeps: save_attention adds the blockwise or flash attention's own
+# residuals (output and float32 log-sum-exp), so that its backward runs no second forward.
+_SAVED_BY_POLICY = {
+    "save_qkvo": REMAT_SAVED_NAMES,
+    "save_attention": (*REMAT_SAVED_NAMES, *ATTENTION_RESIDUALS),
+}
+
+
+def distinct_remat_policies(attention: str) -> tuple[str, ...]:
+    """`REMAT_POLICIES` that make different programs with this attention: save_attention is
+    save_qkvo where the attention names no residuals ("plain", "neuron_flash")."""
+    if attention in ("blockwise", "flash"):
+        return REMAT_POLICIES
+    return tuple(p for p in REMAT_POLICIES if p != "save_attention")
+
 
 # A ModelConfig is a static pytree (no leaves, hashable): `jax.eval_shape(init_params, cfg, key)`
 # and `jax.jit(loss_fn)(params, batch, cfg)` treat it as a compile-time constant.
@@ -225,8 +242,8 @@ def _remat(fn, policy: str, *, in_scan: bool):
         return fn
     if policy == "full":
         return jax.checkpoint(fn, prevent_cse=not in_scan)
-    if policy == "save_qkvo":
-        saved = jax.checkpoint_policies.save_only_these_names(*REMAT_SAVED_NAMES)
+    if policy in _SAVED_BY_POLICY:
+        saved = jax.checkpoint_policies.save_only_these_names(*_SAVED_BY_POLICY[policy])
         return jax.checkpoint(fn, policy=saved, prevent_cse=not in_scan)
     if policy == AUTO:
         raise ValueError(_UNRESOLVED.format(key="model.remat"))

@@ -78,7 +78,7 @@ def explore(
     depths=DEFAULT_DEPTHS,
     emulate_nodes: int = EMULATE_NODES,
     scale_nodes: Sequence[int] = SCALE_NODES,
-    remats: Sequence[str] = fuji.REMAT_POLICIES,
+    remats: Sequence[str] | None = None,
     gathers: Sequence[str] = ("once", "once_unsharded"),
     plat: platforms.Platform = platforms.TRN2,
 ) -> dict[str, Any]:
@@ -89,8 +89,10 @@ def explore(
     FSDP over the rest of a node, and FSDP over every node) at the config's node count, the
     `k_limit` smallest k whose analytic bytes fit trainer.memory_budget_gib (a lower bound:
     nothing below it can fit), both reduce modes; a candidate fits by that estimate. Then the
-    fastest of them with each other remat policy of `remats` whose analytic bytes fit at its k
-    (a second stage: remat changes compute and memory, not the collectives' layout); then
+    fastest of them with each other remat policy of `remats` (default: those that make another
+    program with the config's attention, `fuji.distinct_remat_policies`) whose analytic bytes
+    fit at its k (a second stage: remat changes compute and memory, not the collectives'
+    layout); then
     the fastest reduce="once" candidate with a data axis with each trainer.gather of `gathers`
     whose analytic bytes (with `gather_once_bytes`) fit at its k. The analytic bytes only
     choose which k to compile (a lower bound: nothing below it can fit); a candidate "fits"
@@ -141,7 +143,8 @@ def explore(
         kw=kw,
     )
     if best is not None:  # the other remat policies, on the fastest candidate only
-        others = [p for p in remats if p != cfg.model.remat]
+        policies = fuji.distinct_remat_policies(cfg.model.attention) if remats is None else remats
+        others = [p for p in policies if p != cfg.model.remat]
         rows += variant(rec.Candidate(**best["candidate"]), "remat", others)
     # the gather options on the fastest reduce="once" candidate that has a data axis
     once_rows = [r for r in rows if r["candidate"].reduce == "once" and _has_data(r)]

@@ -8,8 +8,10 @@ save_qkvo, -11 % and -1 %); k was even at seq 2048 (k=1 0.556 s, k=2 0.561 s), w
 8192 k=2 beat k=1 by 18-19 % (0.725 against 0.885 s, 0.703 against 0.863 s), where k=1 is over
 the budget by the estimate and the TPU compiler fits it by recomputing (`autok`). So:
 
-1. remat: the first of `REMAT_ORDER` ("none", "save_qkvo", "full") at which some k fits (only
-   the configured policy when it is not "auto");
+1. remat: the first of `REMAT_ORDER` ("none", "save_attention", "save_qkvo", "full") at which
+   some k fits (only the configured policy when it is not "auto"); save_attention is save_qkvo
+   with the attention's residuals kept, so that its backward runs no second forward (fewer
+   FLOPs, more memory; not measured on a chip: its place is by the work it removes);
 2. the loss of the whole minibatch (no chunking) at the smallest k it fits
    (`trn_accum.analysis.autotune.autotune`, a binary search; only the configured k when it is
    not "auto"): a larger k shrinks the minibatch and its logits;
@@ -45,7 +47,7 @@ from trn_accum.analysis.autotune import (
 from trn_accum.train import autok
 from trn_accum.train import step as step_lib
 
-REMAT_ORDER = ("none", "save_qkvo", "full")
+REMAT_ORDER = ("none", "save_attention", "save_qkvo", "full")
 REFERENCE_CHUNK = 1024  # tokens per batch shard at which k is searched
 # Bytes per logit per device while one chunk is live: its float32 logits (4) and their float32
 # gradient (4), and the compute-dtype copy the LM head's backward reads (2). Only a proposal, each
@@ -86,13 +88,13 @@ class SettingsResult:
         lines = [
             f'remat / loss_chunk / accum_steps = "auto": budget {format_bytes(self.budget_bytes)}'
             f" per device; bytes = {self.method}",
-            f"  {'remat':<10} {'k':>3} {'loss_chunk':>10} {'bytes per device':>18}  fits",
+            f"  {'remat':<14} {'k':>3} {'loss_chunk':>10} {'bytes per device':>18}  fits",
         ]
         for row in self.tried:
             lc = row["loss_chunk"] or "whole"
             fits = "yes" if row["fits"] else "no"
             lines.append(
-                f"  {row['remat']:<10} {row['k']:>3} {lc!s:>10} {format_bytes(row['bytes']):>18}"
+                f"  {row['remat']:<14} {row['k']:>3} {lc!s:>10} {format_bytes(row['bytes']):>18}"
                 f"  {fits}"
             )
         lines.append(
