@@ -217,7 +217,7 @@ def flash_attention(q, k, v, kv_mask=None, *, block_size: int = 512, chunk: int 
     if block_size < 1:
         raise ValueError(f"attention: block_size={block_size} must be >= 1 (e.g. 512)")
     if chunk < 0:
-        raise ValueError(f"attention: chunk={chunk} must be >= 0 (0 = whole rows and columns)")
+        raise ValueError(f"attention: chunk={chunk} must be >= 0 (0 = all keys left of a block)")
     b, s, h, dh = q.shape
     kvh = k.shape[2]
     scaled = (q.astype(_F32) * dh**-0.5).astype(q.dtype)  # rounded once, scale exact
