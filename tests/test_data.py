@@ -388,7 +388,8 @@ _WORKER = textwrap.dedent(
     w = np.arange(16 * 8, dtype=np.float32).reshape(16, 8)
     f = jax.jit(lambda x: {k: (v.astype(np.float32) * w).sum() for k, v in x.items()})
     out = {k: float(v) for k, v in f(b).items()}
-    print("RESULT", json.dumps({"asked": Spy.asked, "sums": out}), flush=True)
+    # one string, one write: gloo's threads write to this stdout too, between print's pieces
+    print("RESULT " + json.dumps({"asked": Spy.asked, "sums": out}), flush=True)
     jax.distributed.shutdown()
     # the result is out and both ranks passed shutdown's barrier: end without the interpreter's
     # teardown, which once in about eight suite runs on 2 loaded cores never ended (both ranks

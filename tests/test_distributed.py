@@ -467,7 +467,7 @@ ACCUM_WORKER = (
         out = compute()
         if info.process_id == 0:
             np.savez(sys.argv[1], **out)
-        print("RESULT", info.process_id, "of", info.num_processes, info.mode)
+        print(f"RESULT {info.process_id} of {info.num_processes} {info.mode}")
         """
     )
 )
@@ -497,7 +497,7 @@ NEURON_WORKER = textwrap.dedent(
     import jax, jax.numpy as jnp
     from jax.experimental import multihost_utils
     total = multihost_utils.process_allgather(jnp.float32(info.process_id + 1)).sum()
-    print("RESULT", json.dumps({
+    print("RESULT " + json.dumps({
         "env": {k: os.environ.get(k) for k in (
             "NEURON_PJRT_PROCESSES_NUM_DEVICES", "NEURON_PJRT_PROCESS_INDEX",
             "NEURON_RT_ROOT_COMM_ID")},
