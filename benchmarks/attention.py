@@ -103,14 +103,19 @@ def candidates(args) -> list[tuple[str, object]]:
     return rows
 
 
-def time_fwd_bwd(fn, inputs, runs: int) -> float:
-    """Median seconds of out, (dq, dk, dv) = fn and its VJP at `ct`, after one warm-up run."""
+def fwd_bwd(fn):
+    """(q, k, v, ct) -> (out, (dq, dk, dv)): `fn` and its VJP at `ct`, jitted."""
 
     def step(q, k, v, ct):
         out, vjp = jax.vjp(fn, q, k, v)
         return out, vjp(ct)
 
-    return median_runtime(jax.jit(step), inputs, runs, warmup=1)
+    return jax.jit(step)
+
+
+def time_fwd_bwd(fn, inputs, runs: int) -> float:
+    """Median seconds of `fwd_bwd(fn)` on `inputs`, after one warm-up run."""
+    return median_runtime(fwd_bwd(fn), inputs, runs, warmup=1)
 
 
 def counters(fn, inputs) -> dict:
@@ -120,12 +125,8 @@ def counters(fn, inputs) -> dict:
     from trn_accum.analysis.live_bytes import peak_live_bytes
     from trn_accum.analysis.partitioned import compile_partitioned
 
-    def step(q, k, v, ct):
-        out, vjp = jax.vjp(fn, q, k, v)
-        return out, vjp(ct)
-
     shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in inputs]
-    _, text = compile_partitioned(jax.jit(step).lower(*shapes))
+    _, text = compile_partitioned(fwd_bwd(fn).lower(*shapes))
     f = pricing.op_features(parse_hlo(text))
     moved = f["kernel_bytes"] + f["elementwise_bytes"] + f["loop_elementwise_bytes"]
     return {

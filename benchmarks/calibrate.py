@@ -53,14 +53,15 @@ TRAINIUM = ("trn2", "trn1")
 # What the published Trainium rows leave open (trn1 shares trn2's efficiencies and overlap,
 # platforms.py), each a bound of what is plausible, not a measurement: the dot efficiency
 # (0.85 is about what a bare bf16 matmul reaches on a TPU v5e; no trn2 matmul profile is
-# published), the elementwise efficiencies and the cost of a loop iteration borrowed from the
-# TPU v5e fit (x 1/4 to x 4; loop iterations also free), the collectives' achieved time
-# (nccom-test's published bandwidths, x 1/2 to x 2) and the overlap of ops and collectives (an
-# assumption, 0 to 1). The platform's own value of each is added.
+# published), the elementwise efficiencies borrowed from the TPU v5e fit (x 1/4 to x 4), the
+# fixed cost of a loop iteration in microseconds (the TPU fit gives it no share; 0 to 50 us, an
+# assumption), the collectives' achieved time (nccom-test's published bandwidths, x 1/2 to x 2)
+# and the overlap of ops and collectives (an assumption, 0 to 1). The platform's own value of
+# each is added.
 ALTERNATIVES = {
     "dot": (0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.45, 0.5, 0.6, 0.7, 0.85),
     "elementwise": (0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 4.0),
-    "loop_iteration": (0.0, 0.25, 0.5, 1.0, 2.0, 4.0),
+    "loop_iteration_us": (0.0, 2.0, 5.0, 10.0, 20.0, 50.0),
     "comm": (0.5, 0.75, 1.0, 1.5, 2.0),
     "overlap": (0.0, 0.25, 0.5, 0.75, 1.0),
 }
@@ -217,7 +218,7 @@ def step_s(row: dict, plat, alt: dict | None = None) -> float:
             dot=alt["dot"],
             elementwise=eff.elementwise * alt["elementwise"],
             loop_elementwise=eff.loop_elementwise * alt["elementwise"],
-            loop_iter_s=eff.loop_iter_s * alt["loop_iteration"],
+            loop_iter_s=alt["loop_iteration_us"] * 1e-6,
         )
         comm, overlap = comm * alt["comm"], alt["overlap"]
     ops = pricing.price(row["features"], plat.peak_flops, plat.hbm_bytes_s, eff)["total_s"]
@@ -228,8 +229,8 @@ def alternatives(plat) -> list[dict]:
     """Every combination of `ALTERNATIVES`, the platform's own value of each included."""
     import itertools
 
-    own = {"dot": plat.efficiency.dot, "overlap": plat.overlap}
-    own.update({k: 1.0 for k in ("elementwise", "loop_iteration", "comm")})
+    own = {"dot": plat.efficiency.dot, "overlap": plat.overlap, "elementwise": 1.0, "comm": 1.0}
+    own["loop_iteration_us"] = plat.efficiency.loop_iter_s * 1e6
     axes = {k: sorted(set(v) | {own[k]}) for k, v in ALTERNATIVES.items()}
     return [dict(zip(axes, combo, strict=True)) for combo in itertools.product(*axes.values())]
 

@@ -85,7 +85,7 @@ def test_the_3b_range_holds_only_alternatives_every_trainium_row_allows():
             elementwise=e.elementwise * alt["elementwise"],
             loop_elementwise=e.loop_elementwise * alt["elementwise"],
             kernel_s=e.kernel_s,
-            loop_iter_s=e.loop_iter_s * alt["loop_iteration"],
+            loop_iter_s=alt["loop_iteration_us"] * 1e-6,
         )
         ops = pricing.price(row["features"], plat.peak_flops, plat.hbm_bytes_s, eff)["total_s"]
         comm = row["comm_predicted_s"] * alt["comm"]
@@ -108,7 +108,7 @@ def test_the_3b_range_holds_only_alternatives_every_trainium_row_allows():
         {
             "dot": own.efficiency.dot,
             "elementwise": 1.0,
-            "loop_iteration": 1.0,
+            "loop_iteration_us": own.efficiency.loop_iter_s * 1e6,
             "comm": 1.0,
             "overlap": own.overlap,
         },

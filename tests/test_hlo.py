@@ -291,3 +291,39 @@ def test_iteration_for_preflight():
     )
     for ins in m.instructions():  # every instruction knows its computation
         assert ins in m.computations[ins.computation].instructions
+
+
+def test_a_computation_shared_by_call_sites_runs_once_per_site():
+    """JAX lowers a remat'd function called from several scans to one computation with a
+    `call` per site; each site runs it, so its work counts once per run of every site (the sum
+    over callers, not the largest). The unoptimised module then counts what XLA:CPU's inlined
+    one does."""
+    from trn_accum.analysis.pricing import op_features
+
+    inner = jax.checkpoint(lambda c, x: jnp.tanh(c @ x))
+
+    @jax.checkpoint
+    def layer(c, xs):
+        return jax.lax.scan(lambda c, x: (inner(c, x), None), c, xs)[0]
+
+    def f(w, xs):
+        for _ in range(4):
+            w = layer(w, xs)
+        return w.sum()
+
+    lowered = jax.jit(jax.grad(f)).lower(jnp.ones((8, 8)), jnp.ones((5, 8, 8)))
+    before = hlo.parse_hlo(lowered.as_text(dialect="hlo"))
+    after = hlo.parse_hlo(lowered.compile().as_text())
+    sites: dict[str, list[str]] = {}
+    for ins in before.instructions():
+        if ins.opcode == "call":
+            for c in ins.called_computations:
+                sites.setdefault(c, []).append(ins.computation)
+    shared = {c: callers for c, callers in sites.items() if len(callers) > 1}
+    assert shared, "the program no longer shares a computation among call sites"
+    for c, callers in shared.items():
+        assert before.trip_multiplier(c) == sum(before.trip_multiplier(k) for k in callers)
+    flops = [op_features(m, tile=1)["dot_flops"] / (2 * 8**3) for m in (before, after)]
+    # Each of the 20 steps runs its dot at least three times (forward, recomputed, transposed);
+    # the largest-caller count read 20 in all.
+    assert flops[0] == flops[1] and flops[0] > 3 * 4 * 5

@@ -146,11 +146,13 @@ class HloModule:
         return self.reachable_from(*roots)
 
     def _trip_multipliers(self) -> dict[str, int | None]:
-        # Fixed point over the call graph: a computation's multiplier is the largest over its
-        # callers (unknown wins). Call graphs of XLA modules are DAGs.
+        # A computation runs once per run of each of its call sites, so its multiplier is the
+        # sum over its callers (unknown wins): JAX shares one computation among the call sites
+        # of a function (e.g. a remat'd step called from each layer's scan), and each of those
+        # runs it. Computed in callers-first order; call graphs of XLA modules are DAGs. A site
+        # naming one computation twice (a conditional's equal branches) runs it once.
         mult: dict[str, int | None] = {self.entry: 1}
-        order = self._topological_order()
-        for cname in order:
+        for cname in self._topological_order():
             if cname not in mult:
                 continue
             base = mult[cname]
@@ -158,13 +160,13 @@ class HloModule:
                 factor: int | None = 1
                 if ins.opcode == "while":
                     factor = ins.trip_count or self.counted_trips(ins)
-                for callee in ins.called_computations:
+                m = None if base is None or factor is None else base * factor
+                for callee in dict.fromkeys(ins.called_computations):
                     if callee not in self.computations:
                         continue
-                    m = None if base is None or factor is None else base * factor
                     if callee in mult:
                         old = mult[callee]
-                        mult[callee] = None if old is None or m is None else max(old, m)
+                        mult[callee] = None if old is None or m is None else old + m
                     else:
                         mult[callee] = m
         return mult

@@ -107,7 +107,7 @@ def activation_estimate(cfg: Any, rows_per_minibatch: int, model_axis: int) -> d
         blk = min(m.attention_block, s)
         scores = rows_per_minibatch * (h // mp) * s * blk * 4 * 2
     full_layer = t * c * (5 * d) + qkvc + t * c * 3 * f // mp + scores
-    residuals = t * (h // mp) * (dh * c + 4) if m.attention in ("blockwise", "flash") else 0
+    residuals = t * (h // mp) * (dh * c + 4) if m.names_attention_residuals else 0
     per_layer = {
         "full": t * d * c,
         "save_qkvo": t * d * c + qkvc + t * d * c,

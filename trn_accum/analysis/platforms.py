@@ -91,16 +91,16 @@ class Platform:
 # Op efficiencies fitted on one TPU v5e chip (benchmarks/calibrate.py --fit tpu-v5e --free
 # kernel_bytes,elementwise_bytes,loop_elementwise_bytes,kernels,loop_iterations, on the rows
 # marked fitted in benchmarks/calibration.json; dots held at peak): elementwise ops outside
-# loops reach 4.48x the HBM bandwidth on their unfused result bytes (the optimizer update fuses
-# into a few passes), inside loops 1.34x; kernel bytes and launches fit to 0 (folded into the
-# rest), a loop iteration costs 14 us.
+# loops reach 11.6x the HBM bandwidth on their unfused result bytes (they fuse into few
+# passes), inside loops 1.39x; kernel bytes, launches and loop iterations fit to 0 (folded
+# into the rest: the non-negative fit leaves them no share).
 TPU_V5E_EFFICIENCY = Efficiency(
     dot=1.0,
     memory=math.inf,
-    elementwise=4.483,
-    loop_elementwise=1.341,
+    elementwise=11.6,
+    loop_elementwise=1.388,
     kernel_s=0.0,
-    loop_iter_s=1.394e-5,
+    loop_iter_s=0.0,
     source="fitted on the TPU v5e rows marked fitted in benchmarks/calibration.json",
 )
 
@@ -123,7 +123,7 @@ TRN2 = Platform(
             neuron.LINK_EFA: NEURON_BUSBW_EFA,
         },
     ),
-    # No trn2 op profile is published. Dots: 33.75 % of peak, fitted on the AXLearn Llama-2
+    # No trn2 op profile is published. Dots: 33.08 % of peak, fitted on the AXLearn Llama-2
     # 70B row of benchmarks/calibration.json (benchmarks/calibrate.py --fit trn2 --free
     # dot_flops); its 7B row and the trn1 row are predicted. The other op efficiencies are TPU
     # v5e's fitted ones (the fusion of elementwise bytes). Overlap 1: collectives run behind
@@ -132,7 +132,7 @@ TRN2 = Platform(
     # an assumption, not a fit.
     efficiency=dataclasses.replace(
         TPU_V5E_EFFICIENCY,
-        dot=0.3375,
+        dot=0.3308,
         source="dot fitted on the AXLearn 70B trn2 row, the rest TPU v5e's",
     ),
     overlap=1.0,

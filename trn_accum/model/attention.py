@@ -45,7 +45,16 @@ from trn_accum.model.flash import RESIDUAL_NAMES, flash_attention, name_residual
 from trn_accum.neuron import kernels as nki_kernels  # the NKI adapter; no Neuron import
 
 IMPLS = ("plain", "blockwise", "flash", "neuron_flash")
-__all__ = ["IMPLS", "RESIDUAL_NAMES", "attention", "blockwise_attention", "plain_attention"]
+# The impls whose output and log-sum-exp are named `RESIDUAL_NAMES` (remat save_attention)
+NAMES_RESIDUALS = ("blockwise", "flash")
+__all__ = [
+    "IMPLS",
+    "NAMES_RESIDUALS",
+    "RESIDUAL_NAMES",
+    "attention",
+    "blockwise_attention",
+    "plain_attention",
+]
 
 
 def plain_attention(q, k, v, kv_mask=None):

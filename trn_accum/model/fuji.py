@@ -39,8 +39,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from trn_accum.core import gather_once
 from trn_accum.model.attention import IMPLS as ATTENTION_IMPLS
+from trn_accum.model.attention import NAMES_RESIDUALS, attention
 from trn_accum.model.attention import RESIDUAL_NAMES as ATTENTION_RESIDUALS
-from trn_accum.model.attention import attention
 from trn_accum.model.params import (  # noqa: F401  (re-exported: the model's public names)
     LOGICAL_AXES,
     RULES,
@@ -118,6 +118,12 @@ class ModelConfig:
     attention_block: int = 512  # block size of blockwise / flash attention
     loss_chunk: int | str = 0  # tokens per batch shard per LM-head/cross-entropy chunk; 0 = whole
 
+    @property
+    def names_attention_residuals(self) -> bool:
+        """Whether the attention names its output and log-sum-exp for remat save_attention
+        (blockwise, flash); otherwise save_attention saves what save_qkvo does."""
+        return self.attention in NAMES_RESIDUALS
+
 
 REMAT_SAVED_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "context")
 # What each saving policy keeps: save_attention adds the blockwise or flash attention's own
@@ -131,7 +137,7 @@ _SAVED_BY_POLICY = {
 def distinct_remat_policies(attention: str) -> tuple[str, ...]:
     """`REMAT_POLICIES` that make different programs with this attention: save_attention is
     save_qkvo where the attention names no residuals ("plain", "neuron_flash")."""
-    if attention in ("blockwise", "flash"):
+    if attention in NAMES_RESIDUALS:
         return REMAT_POLICIES
     return tuple(p for p in REMAT_POLICIES if p != "save_attention")
 
