@@ -18,14 +18,18 @@ TABLE = json.loads((ROOT / "benchmarks" / "calibration.json").read_text())
 ROWS = TABLE["rows"]
 
 
-def test_every_row_is_within_the_target_and_says_where_it_comes_from():
+def test_every_row_is_within_the_target_or_says_why_not_and_where_it_comes_from():
+    """A row outside the target stays in the table, named as such with the reason
+    (`outside_target`); the flag goes when the row comes back inside."""
     assert TABLE["target_error_pct"] == 25
     for r in ROWS:
         assert (ROOT / r["config"]).is_file(), r["name"]
         assert r["role"] in ("fitted", "predicted"), r["name"]
         err = 100.0 * (r["predicted_s"] - r["measured_s"]) / r["measured_s"]
         assert r["error_pct"] == pytest.approx(err, abs=0.06), r["name"]
-        assert abs(r["error_pct"]) <= 25.0, r["name"]
+        outside = abs(r["error_pct"]) > 25.0
+        assert outside == bool(r.get("outside_target")), r["name"]
+        assert not outside or r["role"] == "predicted", r["name"]
         assert r["measured_source"] and r["predict_command"], r["name"]
     trainium = [r for r in ROWS if r["platform"] in ("trn1", "trn2")]
     assert len(trainium) >= 2
