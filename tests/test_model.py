@@ -4,6 +4,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -513,6 +514,30 @@ def test_fused_projections_equal_separate_ones(dtype, rtol):
     for a, b in zip(jax.tree.leaves(ga), jax.tree.leaves(gb), strict=True):
         scale = float(jnp.max(jnp.abs(np.float32(b))))
         np.testing.assert_allclose(np.float32(a), np.float32(b), rtol=rtol, atol=rtol * scale)
+
+
+def test_fused_outputs_and_rope_pairs_come_apart_by_a_split():
+    """q/k/v, gate/up and RoPE's interleaved pairs are taken out of one tensor by a split, so
+    each backward pass puts the parts' gradients together with one concatenate; slices would
+    give one zero-padded full-size copy per part and their sum. The program as written (before
+    any compiler's simplification) has no pad."""
+    cfg = ModelConfig(hidden_dim=16, num_heads=4, num_kv_heads=2, head_dim=8, ffn_dim=24)
+    shapes = {"q": (16, 4, 8), "k": (16, 2, 8), "v": (16, 2, 8), "gate": (16, 24), "up": (16, 24)}
+    keys = jax.random.split(jax.random.key(0), len(shapes) + 1)
+    layer = {n: jax.random.normal(k, s) for (n, s), k in zip(shapes.items(), keys, strict=False)}
+    x = jax.random.normal(keys[-1], (1, 6, 16))
+
+    def loss(x, layer):
+        q, k, v = fuji._fused_qkv(x, layer, cfg)
+        q = fuji.apply_rope(q, jnp.arange(6), 100.0, "interleaved")
+        gate, up = fuji._fused_gate_up(x, layer)
+        return sum(jnp.sum(t * t) for t in (q, k, v, gate, up))
+
+    text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, layer).as_text(dialect="hlo")
+    ops = re.findall(r"[\]}] ([a-z][\w-]*)\(", text)  # `... = f32[2,3]{1,0} pad(...`
+    assert "dot" in ops
+    assert "pad" not in ops
+    assert ops.count("concatenate") >= 3  # q/k/v, gate/up, the RoPE pairs
 
 
 def test_fused_projections_reduce_four_times_a_layer_over_model():

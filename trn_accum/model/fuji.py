@@ -197,7 +197,9 @@ def _fused_qkv(h, layer, cfg: ModelConfig, plans=None):
         [layer[n] for n in names], [(plans or {}).get(n, ()) for n in names], h.dtype, fuse, heads
     )
     qkv = jnp.einsum("bsd,dkgh->bskgh", h, w)  # [B, S, KV, G + 2, Dh]
-    return qkv[:, :, :, :g].reshape(b, s, kv * g, dh), qkv[:, :, :, g], qkv[:, :, :, g + 1]
+    # one split, whose gradient is one concatenate (three slices' would be three pads and adds)
+    q, k, v = jnp.split(qkv, [g, g + 1], axis=3)
+    return q.reshape(b, s, kv * g, dh), k[:, :, :, 0], v[:, :, :, 0]
 
 
 def _fused_gate_up(h, layer, plans=None):
@@ -207,8 +209,8 @@ def _fused_gate_up(h, layer, plans=None):
     plans = plans or {}
     ws, ps = [layer["gate"], layer["up"]], [plans.get("gate", ()), plans.get("up", ())]
     w = _fused(ws, ps, h.dtype, lambda ws: jnp.stack(ws, axis=1), (None, None, "ffn"))
-    gate_up = jnp.einsum("bsd,dtf->bstf", h, w)
-    return gate_up[:, :, 0], gate_up[:, :, 1]
+    gate, up = jnp.split(jnp.einsum("bsd,dtf->bstf", h, w), 2, axis=2)  # gradient: a concatenate
+    return gate[:, :, 0], up[:, :, 0]
 
 
 def _block(x, layer, cfg: ModelConfig, plans: dict):

@@ -63,6 +63,8 @@ def apply_rope(x, positions, theta: float, style: str = "interleaved", inv_freq=
     if style == "halves":
         x1, x2 = jnp.split(xf, 2, axis=-1)
         return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
-    x1, x2 = xf[..., 0::2], xf[..., 1::2]
+    # the pairs by a split of [..., Dh/2, 2] (its gradient is one concatenate, where two strided
+    # slices' would be two padded copies and their sum)
+    x1, x2 = (p[..., 0] for p in jnp.split(xf.reshape(*x.shape[:-1], half, 2), 2, axis=-1))
     out = jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)  # [..., Dh/2, 2]
     return out.reshape(x.shape).astype(x.dtype)
