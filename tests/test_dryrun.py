@@ -74,6 +74,8 @@ def test_reduced_depth_3b_dry_run_on_64_devices(mesh_sets, all_nodes):
 
         assert st["recommendation"]["candidate"] in [c["candidate"] for c in st["candidates"]]
         assert {c["candidate"]["mesh"] for c in st["candidates"]} == {"hybrid-m2"}
+        # the config's blockwise 512 and the search's other block (plan/search.py)
+        assert {c["candidate"]["attention_block"] for c in st["candidates"]} == {None, 1024}
         assert st["recommendation"]["candidate"]["mesh_shape"] == rec.MESHES["hybrid-m2"] | {
             "data": 1
         }

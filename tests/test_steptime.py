@@ -359,6 +359,43 @@ def test_explore_tiny_candidates_and_recommendation(monkeypatch):
     assert any(ln.split()[:2] == ["4", "64"] for ln in lines)
 
 
+def test_explore_tries_attention_blocks_on_the_pick(monkeypatch):
+    """With a blocked attention the search tries each other block of `attention_blocks` that
+    is at most the sequence, on the recommendation so far; the faster block wins and the pick
+    names it (the compiles replaced by a fake summary whose step falls with the block)."""
+    from trn_accum.plan import search
+    from trn_accum.train.config import load_config
+
+    budget = 2 * 2**30
+    seen = []
+
+    def fake(cfg, *, nodes, layout, **_):
+        seen.append(cfg.model.attention_block)
+        compute = {16: 1.2, 32: 1.0, 64: 0.9}[cfg.model.attention_block]
+        s = _summary(100.0, 10.0, 0.2, compute)
+        target = resolve_axes(cfg.mesh.axes(), layout.devices_per_node * nodes)
+        shape = dict(cfg.mesh.axes())
+        more = {"depths_compiled": [2], "compile_s": 0.0, "trips": [], "memory_bytes": budget}
+        return {**s, **more, "target_mesh": target, "mesh_shape": shape}
+
+    monkeypatch.setattr(search, "predict", fake)
+    sets = ["trainer.accum_steps=2", "trainer.memory_budget_gib=2", "model.attention=blockwise"]
+    cfg = load_config("configs/fuji-tiny.toml", sets)  # attention_block 32, seq_len 64
+    meshes = {"reference": {"data": 1, "fsdp": -1, "model": 1}}
+    layout = steptime.Layout(devices_per_node=4, devices_per_chip=2)
+    kw = dict(nodes=2, layout=layout, meshes=meshes, k_limit=1, remats=(), gathers=())
+    st = search.explore(cfg, attention_blocks=(16, 32, 64, 128), scale_nodes=(2,), **kw)
+    labels = [c["candidate"]["attention_block"] for c in st["candidates"]]
+    assert labels == [None, 16, 64]  # the config's 32, then 16 and 64 (128 > seq_len 64)
+    assert st["recommendation"]["candidate"]["attention_block"] == 64
+    assert st["recommendation"]["label"].endswith("attention_block=64")
+    assert seen[-1] == 64  # the scale table prices the pick's block
+    plain = load_config("configs/fuji-tiny.toml", sets[:2])
+    seen.clear()
+    st = search.explore(plain, attention_blocks=(16, 64), scale_nodes=(2,), **kw)
+    assert set(seen) == {32} and len(st["candidates"]) == 1  # plain attention takes no block
+
+
 def test_bf16_collectives_priced_at_the_partitioners_dtype():
     """XLA:CPU widens bf16 collectives to float32 after partitioning (its all-reduce has no
     bf16); the model prices what the partitioner emitted: a bf16 all-gather and a bf16 psum

@@ -1,13 +1,15 @@
 """Candidate configurations of a train step and the one the step-time model recommends.
 
-A candidate is (mesh, nodes, k, reduce, remat): mesh one of `MESHES` (per-axis sizes, -1 = all
-devices left), nodes the node count, k = trainer.accum_steps, reduce = trainer.reduce, remat =
-model.remat (None: the config's; the other policies are tried on the fastest candidate only). The
-grid (`candidate_grid`) takes, per (mesh, nodes), the k that fit the memory budget (the
-analytic `trn_accum.analysis.memory.fit_by_steps`, smallest first; at most `k_limit` of them:
-compute is the same for every k and a larger k only adds per-minibatch parameter traffic) and
-both reduce modes. Nothing is compiled here: each candidate's `stepsummary.summarize` output comes
-from the caller (`trn_accum.plan.perfmodel` compiles them).
+A candidate is (mesh, nodes, k, reduce, remat, gather, attention_block): mesh one of `MESHES`
+(per-axis sizes, -1 = all devices left), nodes the node count, k = trainer.accum_steps, reduce =
+trainer.reduce, remat = model.remat, gather = trainer.gather, attention_block =
+model.attention_block (None: the config's; the other values are tried on the fastest candidate
+only). The grid (`candidate_grid`) takes, per (mesh, nodes), the k that fit the memory budget
+(the analytic `trn_accum.analysis.memory.fit_by_steps`, smallest first; at most `k_limit` of
+them: each k is its own program, priced by its own counters, and a larger k adds
+per-minibatch parameter traffic and shrinks each minibatch's matmuls) and both reduce modes.
+Nothing is compiled here: each candidate's `stepsummary.summarize` output comes from the
+caller (`trn_accum.plan.perfmodel` compiles them).
 
 `recommend` picks, among the candidates that fit at the chosen node count, the lowest
 predicted step time (`predicted_step_s`; ties: the no-overlap floor), then trades up to
@@ -51,11 +53,18 @@ class Candidate:
     reduce: str
     remat: str | None = None  # model.remat; None: the config's policy
     gather: str | None = None  # trainer.gather; None: the config's
+    attention_block: int | None = None  # model.attention_block; None: the config's
 
     def label(self) -> str:
         policy = "" if self.remat is None else f" remat={self.remat}"
         gather = "" if self.gather is None else f" gather={self.gather}"
-        return f"{self.mesh} x{self.nodes} k={self.k} {self.reduce}{policy}{gather}"
+        block = "" if self.attention_block is None else f" attention_block={self.attention_block}"
+        return f"{self.mesh} x{self.nodes} k={self.k} {self.reduce}{policy}{gather}{block}"
+
+    def choices(self) -> dict:
+        """The model and trainer settings it names beyond mesh, k and reduce (None: the
+        config's), as `trn_accum.plan.perfmodel.with_choices` takes them."""
+        return {"remat": self.remat, "gather": self.gather, "attention_block": self.attention_block}
 
 
 def candidate_grid(

@@ -47,7 +47,10 @@ from trn_accum.neuron import kernels as nki_kernels  # the NKI adapter; no Neuro
 IMPLS = ("plain", "blockwise", "flash", "neuron_flash")
 # The impls whose output and log-sum-exp are named `RESIDUAL_NAMES` (remat save_attention)
 NAMES_RESIDUALS = ("blockwise", "flash")
+# The impls that take `block_size` (model.attention_block)
+BLOCKED = ("blockwise", "flash")
 __all__ = [
+    "BLOCKED",
     "IMPLS",
     "NAMES_RESIDUALS",
     "RESIDUAL_NAMES",

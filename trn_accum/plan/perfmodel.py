@@ -66,8 +66,10 @@ def with_choices(
     layers: int | None = None,
     remat: str | None = None,
     gather: str | None = None,
+    attention_block: int | None = None,
 ):
-    """cfg with mesh sizes / accum_steps / reduce / num_layers / remat / gather replaced."""
+    """cfg with mesh sizes / accum_steps / reduce / num_layers / remat / gather /
+    attention_block replaced."""
     m = cfg.mesh if mesh is None else dataclasses.replace(cfg.mesh, **mesh)
     t = dataclasses.replace(
         cfg.trainer,
@@ -77,6 +79,8 @@ def with_choices(
     )
     mo = cfg.model if layers is None else dataclasses.replace(cfg.model, num_layers=layers)
     mo = mo if remat is None else dataclasses.replace(mo, remat=remat)
+    if attention_block is not None:
+        mo = dataclasses.replace(mo, attention_block=attention_block)
     return dataclasses.replace(cfg, mesh=m, trainer=t, model=mo)
 
 

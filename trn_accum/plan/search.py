@@ -1,9 +1,9 @@
 """The step-time model's search (`trn-accum dry-run --step-time`): every candidate of
 `trn_accum.analysis.recommend` priced by `trn_accum.plan.perfmodel.predict` (meshes, the k that
-fit, both reduce modes; then the other remat policies and trainer.gather options on the
-fastest), the recommendation, and the weak-scaling table of the recommended choice. One
-`Programs` cache per search: a program compiled once serves every candidate and node count
-that share it."""
+fit, both reduce modes; then the other remat policies, trainer.gather options and attention
+blocks on the fastest), the recommendation, and the weak-scaling table of the recommended
+choice. One `Programs` cache per search: a program compiled once serves every candidate and
+node count that share it."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from trn_accum.analysis.memory import GIB
 from trn_accum.core.batch_rules import divisibility_error
 from trn_accum.core.mesh import resolve_axes
 from trn_accum.model import fuji
+from trn_accum.model.attention import BLOCKED
 from trn_accum.neuron import platform
 from trn_accum.plan.perfmodel import (
     DEFAULT_DEPTHS,
@@ -31,13 +32,18 @@ from trn_accum.plan.perfmodel import (
 )
 from trn_accum.train.mesh_rules import BATCH_AXES
 
+# model.attention_block values the search tries (with blockwise or flash attention): on a TPU
+# v5e 512 and 1024 were the fastest in the 4-layer proxy's step and in attention alone, 2048
+# the slowest of the three in both (docs/performance.md, "On the chip")
+ATTENTION_BLOCKS = (512, 1024)
+
 
 def variant_rows(cfg, b, field: str, values, *, meshes, nodes, layout, budget, fit_ks, kw):
-    """Rows of candidate `b` with `field` ("remat" or "gather") set to each of `values` whose
-    analytic bytes fit at b's k; `fit_ks` gets the fitting ks of each value."""
+    """Rows of candidate `b` with `field` ("remat", "gather" or "attention_block") set to each
+    of `values` whose analytic bytes fit at b's k; `fit_ks` gets the fitting ks of each value."""
     out = []
     for value in values:
-        picks = {"remat": b.remat, "gather": b.gather, field: value}
+        picks = {**b.choices(), field: value}
         c = with_choices(cfg, mesh=meshes[b.mesh], k=b.k, reduce=b.reduce, **picks)
         f = fitting_k(c, meshes[b.mesh], nodes, layout)
         ks = [r["k"] for r in f["table"] if r["bytes"] <= budget]
@@ -80,6 +86,7 @@ def explore(
     scale_nodes: Sequence[int] = SCALE_NODES,
     remats: Sequence[str] | None = None,
     gathers: Sequence[str] = ("once", "once_unsharded"),
+    attention_blocks: Sequence[int] = ATTENTION_BLOCKS,
     plat: platforms.Platform = platforms.TRN2,
 ) -> dict[str, Any]:
     """The config's prediction, every candidate's (fit, summary), the recommendation and the
@@ -94,7 +101,10 @@ def explore(
     fit at its k (a second stage: remat changes compute and memory, not the collectives'
     layout); then
     the fastest reduce="once" candidate with a data axis with each trainer.gather of `gathers`
-    whose analytic bytes (with `gather_once_bytes`) fit at its k. The analytic bytes only
+    whose analytic bytes (with `gather_once_bytes`) fit at its k; then, where the attention
+    takes a block (`attention.BLOCKED`), the recommendation so far with each other
+    model.attention_block of `attention_blocks` (at most the sequence) whose analytic bytes
+    fit at its k. The analytic bytes only
     choose which k to compile (a lower bound: nothing below it can fit); a candidate "fits"
     when its own compiled footprint ("memory_bytes", XLA:CPU's: bf16 temporaries kept in
     float32, so an overstatement on trn2) fits the budget (trainer.memory_budget_gib, at most
@@ -150,6 +160,12 @@ def explore(
     once_rows = [r for r in rows if r["candidate"].reduce == "once" and _has_data(r)]
     if once_rows and gathers:
         rows += variant(min(once_rows, key=rec.sort_key)["candidate"], "gather", gathers)
+    blocks = [
+        b for b in attention_blocks if b != cfg.model.attention_block and b <= cfg.data.seq_len
+    ]
+    pick = rec.recommend(rows, nodes)
+    if blocks and cfg.model.attention in BLOCKED and pick is not None:
+        rows += variant(rec.Candidate(**pick["candidate"]), "attention_block", blocks)
     best = checked_at_full_depth(cfg, rows, nodes, meshes, budget, kw)
     own = predict(cfg, nodes=nodes, **kw)
     shapes = {r["candidate"]: r["summary"]["mesh_shape"] for r in rows}
@@ -158,9 +174,7 @@ def explore(
         b = rec.Candidate(**best["candidate"])
         best["candidate"] = {**best["candidate"], "mesh_shape": shapes[b]}
         scale = scale_table(
-            with_choices(
-                cfg, mesh=meshes[b.mesh], k=b.k, reduce=b.reduce, remat=b.remat, gather=b.gather
-            ),
+            with_choices(cfg, mesh=meshes[b.mesh], k=b.k, reduce=b.reduce, **b.choices()),
             nodes,
             scale_nodes,
             **kw,
@@ -211,12 +225,7 @@ def checked_at_full_depth(cfg, rows, nodes: int, meshes, budget: float, kw) -> d
         if "memory_bytes_full_depth" in row["summary"]:
             return best
         c = with_choices(
-            cfg,
-            mesh=meshes[cand.mesh],
-            k=cand.k,
-            reduce=cand.reduce,
-            remat=cand.remat,
-            gather=cand.gather,
+            cfg, mesh=meshes[cand.mesh], k=cand.k, reduce=cand.reduce, **cand.choices()
         )
         full = predict(c, nodes=nodes, **{**kw, "depths": (layers,)})
         row["summary"]["memory_bytes_full_depth"] = full["memory_bytes"]
