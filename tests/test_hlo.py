@@ -332,3 +332,24 @@ def test_a_computation_shared_by_call_sites_runs_once_per_site():
     # Each of the 20 steps runs its dot at least three times (forward, recomputed, transposed);
     # the largest-caller count read 20 in all.
     assert flops[0] == flops[1] == flops[2] > 3 * 4 * 5
+
+
+def test_an_async_pair_runs_its_computation_once():
+    """async-start, -update and -done name one computation (`calls=`); it runs once per start."""
+    text = """HloModule m, num_partitions=2
+
+%wrapped (p: f32[4]) -> f32[8] {
+  %p = f32[4]{0} parameter(0)
+  ROOT %ag = f32[8]{0} all-gather(%p), channel_id=1, replica_groups={{0,1}}, dimensions={0}
+}
+
+ENTRY %main (a: f32[4]) -> f32[8] {
+  %a = f32[4]{0} parameter(0)
+  %s = ((f32[4]{0}), f32[8]{0}) async-start(%a), calls=%wrapped
+  %u = ((f32[4]{0}), f32[8]{0}) async-update(%s), calls=%wrapped
+  ROOT %d = f32[8]{0} async-done(%u), calls=%wrapped
+}
+"""
+    m = hlo.parse_hlo(text)
+    assert m.instruction("d").called_computations == ("wrapped",)
+    assert m.trip_multiplier("wrapped") == 1

@@ -160,6 +160,8 @@ class HloModule:
                 factor: int | None = 1
                 if ins.opcode == "while":
                     factor = ins.trip_count or self.counted_trips(ins)
+                if ins.opcode in ("async-update", "async-done"):
+                    continue  # the same run of the computation its async-start calls
                 m = None if base is None or factor is None else base * factor
                 for callee in dict.fromkeys(ins.called_computations):
                     if callee not in self.computations:
