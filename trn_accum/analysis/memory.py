@@ -108,10 +108,11 @@ def activation_estimate(cfg: Any, rows_per_minibatch: int, model_axis: int) -> d
         scores = rows_per_minibatch * (h // mp) * s * blk * 4 * 2
     full_layer = t * c * (5 * d) + qkvc + t * c * 3 * f // mp + scores
     residuals = t * (h // mp) * (dh * c + 4) if m.names_attention_residuals else 0
+    qkvo = t * d * c + qkvc + t * d * c  # the layer input, q/k/v/context and the o projection
     per_layer = {
         "full": t * d * c,
-        "save_qkvo": t * d * c + qkvc + t * d * c,
-        "save_attention": t * d * c + qkvc + t * d * c + residuals,
+        "save_qkvo": qkvo,
+        "save_attention": qkvo + residuals,
         "none": full_layer,
     }[m.remat]
     logit_tokens = t if m.loss_chunk <= 0 else min(t, m.loss_chunk)
