@@ -249,3 +249,29 @@ def test_step_time_model_that_cannot_price_the_config_is_one_report_line(monkeyp
     assert rep["blockers"] == [] and rep["step_time"] == {"error": msg}
     text = dryrun.format_report(rep)
     assert text.splitlines()[-1] == f"step-time model: not computed: {msg}"
+
+
+def test_step_time_model_prices_the_settings_the_dry_run_resolved_from_auto(monkeypatch):
+    """remat, loss chunk and k left "auto": the step-time model gets the dry-run's resolved
+    values as --set items (before, it got the word "auto" and failed: KeyError: 'auto')."""
+    from trn_accum.plan import perfmodel_cli
+
+    seen = {}
+
+    def capture(config_path, overrides, nodes, **kwargs):
+        seen["overrides"] = list(overrides)
+        return {"captured": True}
+
+    monkeypatch.setattr(perfmodel_cli, "run_in_subprocess", capture)
+    auto = ["model.remat=auto", "model.loss_chunk=auto", "trainer.accum_steps=auto"]
+    rep = dryrun.run(TINY, overrides=auto, step_time=True)
+    assert rep["step_time"] == {"captured": True}
+    fixed = [
+        f"trainer.accum_steps={rep['accum_steps']}",
+        f"model.remat={rep['remat']}",
+        f"model.loss_chunk={rep['loss']['loss_chunk']}",
+    ]
+    assert seen["overrides"] == auto + fixed
+    cfg = load_config(TINY, seen["overrides"])
+    assert cfg.trainer.accum_steps == rep["accum_steps"] and cfg.model.remat == rep["remat"]
+    assert cfg.model.loss_chunk == rep["loss"]["loss_chunk"] != "auto"

@@ -123,7 +123,7 @@ def run(
         try:
             report["step_time"] = perfmodel_cli.run_in_subprocess(
                 config_path,
-                overrides,
+                [*overrides, *resolved_settings(cfg, report)],
                 report["nodes"],
                 meshes=step_time_meshes,
                 platform_name=plat.name,
@@ -132,6 +132,18 @@ def run(
         except perfmodel.StepTimeError as e:
             report["step_time"] = {"error": one_line(e)}
     return report
+
+
+def resolved_settings(cfg, report: dict[str, Any]) -> list[str]:
+    """--set items fixing each of trainer.accum_steps, model.remat and model.loss_chunk that
+    `cfg` leaves "auto" to what this dry-run resolved (`report`), so that the step-time model
+    prices the step the dry-run compiled and not the word "auto"."""
+    chosen = {
+        "trainer.accum_steps": (cfg.trainer.accum_steps, report["accum_steps"]),
+        "model.remat": (cfg.model.remat, report["remat"]),
+        "model.loss_chunk": (cfg.model.loss_chunk, report["loss"]["loss_chunk"]),
+    }
+    return [f"{key}={got}" for key, (asked, got) in chosen.items() if asked == "auto"]
 
 
 def _peak_note(floor_s: float) -> str:
