@@ -18,7 +18,7 @@ Deeper than `max(depths)` layers, each program is compiled at the two `depths` a
 summaries extrapolated per layer (`stepsummary.extrapolate_summary`, the line of
 `trn_accum.analysis.autotune.extrapolate`). The analytic memory estimate
 (`trn_accum.analysis.memory.fit_by_steps`) chooses which k to compile; a candidate fits by its
-own compiled footprint at full depth (`compiled_fits`). A `Programs` cache, held by the
+own program's peak live bytes at full depth (`compiled_fits`). A `Programs` cache, held by the
 search (`trn_accum.plan.search.explore`), keeps one compile per program across its candidates
 and its scale table.
 
@@ -37,11 +37,10 @@ import jax
 from trn_accum.analysis import platforms, pricing, stepsummary, steptime
 from trn_accum.analysis.autotune import extrapolate
 from trn_accum.analysis.hlo import dot_flops, parse_hlo
+from trn_accum.analysis.live_bytes import peak_live_bytes
 from trn_accum.analysis.memory import (
     GIB,
-    compiled_memory,
     fit_by_steps,
-    footprint,
     gather_once_bytes,
     state_shard_bytes,
 )
@@ -86,7 +85,7 @@ def with_choices(
 
 class Programs:
     """Compiled train-step programs by (config, devices, rows): the partitioned module, its
-    compiled footprint bytes per device and the compile seconds. A search (`explore`) holds one,
+    peak live bytes per device and the compile seconds. A search (`explore`) holds one,
     so a program is compiled once across its candidates and scale table; `predict` without one
     compiles afresh."""
 
@@ -94,12 +93,15 @@ class Programs:
         self._compiled: dict[tuple, tuple[Any, Any, float]] = {}
 
     def module(self, cfg, devices, rows: int):
-        """(the partitioned module, compiled footprint bytes per device, compile seconds) of
+        """(the partitioned module, its peak live bytes per device, compile seconds) of
         the train step of `cfg` on `devices` with `rows` batch rows (the global batch does not
         enter the program: one compile serves every node count of the same per-device batch).
         The module is the one right after XLA's SPMD partitioner (`compile_partitioned`: the
         dtypes the program wrote, what a Neuron or TPU compile starts from), with the attention
-        the config ships; the footprint is the same compile's `memory_analysis`."""
+        the config ships; the bytes are that module's peak live bytes per device
+        (`trn_accum.analysis.live_bytes`, the dry-run's fit check on CPU), not XLA:CPU's
+        footprint, which keeps bf16 temporaries in float32 (the 4-layer proxy's k 2 step on a
+        TPU v5e: 22.45 GB by XLA:CPU, 15.43 GB by the chip's compiler, docs/dry-run.md)."""
         shape = resolve_axes(cfg.mesh.axes(), len(devices))
         c = with_choices(cfg, mesh=shape)
         c = dataclasses.replace(c, data=dataclasses.replace(c.data, global_batch=rows))
@@ -110,7 +112,7 @@ class Programs:
             with kernel_stand_ins(c), jax.set_mesh(mesh):
                 program = step_lib.build_step(c, mesh, batch_rows=rows)
                 compiled, text = compile_partitioned(program.lowered)
-            total = footprint(compiled_memory(compiled))
+            total = peak_live_bytes(text)  # the fit check's figure, not XLA:CPU's footprint
             self._compiled[key] = (parse_hlo(text), total, time.perf_counter() - t0)
         return self._compiled[key]
 
@@ -159,7 +161,7 @@ def predict(
 ) -> dict:
     """The step-time summary of `cfg` (integer accum_steps) on `nodes` nodes of `plat`, with
     "depths_compiled", "compile_s", "target_mesh", "mesh_shape" (per node), "trips" (the
-    loops' trip counts of the deepest compile) and "memory_bytes" (the compiled footprint per
+    loops' trip counts of the deepest compile) and "memory_bytes" (the peak live bytes per
     device at full depth: extrapolated per layer, the state shards of the compiled mesh
     replaced by those of the target mesh). The floor prices collectives on `layout`'s links
     and compute at peak; "predicted_step_s" prices every op at `plat.efficiency`
@@ -233,7 +235,7 @@ def predict(
 
 
 def compiled_fits(summary: dict, budget: float) -> bool:
-    """Whether a candidate's own compiled footprint at full depth ("memory_bytes") fits
+    """Whether a candidate's own peak live bytes at full depth ("memory_bytes") fit
     `budget` bytes (False when the backend reported no memory)."""
     mem = summary.get("memory_bytes")
     return mem is not None and mem <= budget

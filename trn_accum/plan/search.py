@@ -104,12 +104,12 @@ def explore(
     whose analytic bytes (with `gather_once_bytes`) fit at its k; then, where the attention
     takes a block (`attention.BLOCKED`), the recommendation so far with each other
     model.attention_block of `attention_blocks` (at most the sequence) whose analytic bytes
-    fit at its k. The analytic bytes only
-    choose which k to compile (a lower bound: nothing below it can fit); a candidate "fits"
-    when its own compiled footprint ("memory_bytes", XLA:CPU's: bf16 temporaries kept in
-    float32, so an overstatement on trn2) fits the budget (trainer.memory_budget_gib, at most
-    the platform's device memory). Meshes that do not divide a node's devices are left out.
-    Ranked by "predicted_step_s"; the pick's fit is then checked on a compile at full depth
+    fit at its k. The analytic bytes only choose which k to compile (a lower bound: nothing
+    below it can fit); a candidate "fits" when its own program's peak live bytes
+    ("memory_bytes", the fit check's estimate of the module the partitioner hands the backend,
+    `perfmodel.Programs`) fit the budget (trainer.memory_budget_gib, at most the platform's
+    device memory). Meshes that do not divide a node's devices are left out. Ranked by
+    "predicted_step_s"; the pick's fit is then checked on a compile at full depth
     (`checked_at_full_depth`: a pick that does not fit there gives way). The scale table:
     the recommended mesh, k and reduce at each node count of `scale_nodes`, the per-node
     batch of the config (weak scaling)."""
@@ -234,11 +234,16 @@ def checked_at_full_depth(cfg, rows, nodes: int, meshes, budget: float, kw) -> d
 
 def scale_point_fits(cfg, nodes: int, layout: steptime.Layout, emulate_nodes: int) -> bool:
     """Whether `cfg` (its global batch for `nodes` nodes) can be priced at `nodes`: its mesh
-    resolves on the full job and on the emulated nodes, and the emulated batch rows split into
-    accum_steps minibatches over the emulated batch shards."""
+    resolves on the full job and on the emulated nodes, the full job's mesh divides every
+    weight (`fuji.param_specs`), and the emulated batch rows split into accum_steps
+    minibatches over the emulated batch shards."""
     e, per_node = min(nodes, emulate_nodes), layout.devices_per_node
     axes = cfg.mesh.axes()
     if not (_resolves(axes, per_node * nodes) and _resolves(axes, per_node * e)):
+        return False
+    try:
+        fuji.param_specs(cfg.model, cfg.mesh.rules, resolve_axes(axes, per_node * nodes))
+    except ValueError:  # a weight dimension that the full job's mesh does not divide
         return False
     shape = resolve_axes(axes, per_node * e)
     shards = 1
