@@ -288,3 +288,6 @@ def test_the_step_time_search_fits_candidates_by_the_fit_checks_figure():
     assert st["config"]["summary"]["memory_bytes"] == fit["compiled_total_bytes"]
     assert fit["compiled_total_bytes"] != fit["xla_cpu_total_bytes"]
     assert st["config"]["fits"] == fit["compiled_fits"]
+    # the config's own mesh is a candidate (on one TPU device it is the only one that resolves)
+    assert "config" in {c["candidate"]["mesh"] for c in st["candidates"]}
+    assert st["recommendation"] is not None

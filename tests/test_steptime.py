@@ -467,3 +467,17 @@ ENTRY %main (p0: bf16[8,16], p1: f32[4,16]) -> (f32[8,16], f32[4,16]) {{
         (c,) = collectives(text)
         assert c.bytes == 8 * 16 * 4 + 4 * 16 * 4
         assert c.wire_bytes_source == 8 * 16 * 2 + 4 * 16 * 4, reducer
+
+
+def test_compile_ks_are_the_analytic_fits_or_else_the_largest_k():
+    """The search compiles the ks whose analytic bytes fit; where none does (the analytic
+    estimate overstates remat none at long sequences), the largest k, so the compiled figure
+    decides; an empty table compiles nothing."""
+    from trn_accum.plan.search import compile_ks
+
+    table = [{"k": 1, "bytes": 30}, {"k": 2, "bytes": 20}, {"k": 4, "bytes": 12}]
+    assert compile_ks(table, budget=25) == [2, 4]
+    assert compile_ks(table, budget=12) == [4]
+    assert compile_ks(table, budget=10) == [4]
+    assert compile_ks(table[:2], budget=10) == [2]
+    assert compile_ks([], budget=10) == []

@@ -45,8 +45,7 @@ def variant_rows(cfg, b, field: str, values, *, meshes, nodes, layout, budget, f
     for value in values:
         picks = {**b.choices(), field: value}
         c = with_choices(cfg, mesh=meshes[b.mesh], k=b.k, reduce=b.reduce, **picks)
-        f = fitting_k(c, meshes[b.mesh], nodes, layout)
-        ks = [r["k"] for r in f["table"] if r["bytes"] <= budget]
+        ks = compile_ks(fitting_k(c, meshes[b.mesh], nodes, layout)["table"], budget)
         fit_ks[(f"{b.mesh} {field}={value}", nodes)] = ks
         if b.k in ks:
             cand = dataclasses.replace(b, **{field: value})
@@ -55,6 +54,16 @@ def variant_rows(cfg, b, field: str, values, *, meshes, nodes, layout, budget, f
                 {"candidate": cand, "fits": compiled_fits(summary, budget), "summary": summary}
             )
     return out
+
+
+def compile_ks(table: Sequence[dict], budget: float) -> list[int]:
+    """The ks of an analytic fit table (`fit_by_steps`'s rows {k, bytes}) worth compiling:
+    those whose analytic bytes fit `budget`; where none does, the largest k (the fewest rows a
+    minibatch), so that the compiled figure decides. The analytic estimate overstates remat
+    none at long sequences: the 4-layer proxy at seq 8192, k 2, 24.81 GB analytic where a TPU
+    v5e's compiler put the step at 14.91 GB (docs/performance.md)."""
+    ks = [r["k"] for r in table if r["bytes"] <= budget]
+    return ks or [max(r["k"] for r in table)] if table else []
 
 
 def _has_data(row) -> bool:
@@ -93,9 +102,10 @@ def explore(
     weak-scaling table of the recommended choice.
 
     Candidates: every mesh of `meshes` (default `recommend.MESHES`: the model axis 4, 2, 1 with
-    FSDP over the rest of a node, and FSDP over every node) at the config's node count, the
-    `k_limit` smallest k whose analytic bytes fit trainer.memory_budget_gib (a lower bound:
-    nothing below it can fit), both reduce modes; a candidate fits by that estimate. Then the
+    FSDP over the rest of a node, and FSDP over every node; and the config's own, "config")
+    at the config's node count, the `k_limit` smallest k whose analytic bytes fit
+    trainer.memory_budget_gib (or the largest k where none does: `compile_ks`), both reduce
+    modes. Then the
     fastest of them with each other remat policy of `remats` (default: those that make another
     program with the config's attention, `fuji.distinct_remat_policies`) whose analytic bytes
     fit at its k (a second stage: remat changes compute and memory, not the collectives'
@@ -104,8 +114,8 @@ def explore(
     whose analytic bytes (with `gather_once_bytes`) fit at its k; then, where the attention
     takes a block (`attention.BLOCKED`), the recommendation so far with each other
     model.attention_block of `attention_blocks` (at most the sequence) whose analytic bytes
-    fit at its k. The analytic bytes only choose which k to compile (a lower bound: nothing
-    below it can fit); a candidate "fits" when its own program's peak live bytes
+    fit at its k. The analytic bytes only choose which k to compile (`compile_ks`); a
+    candidate "fits" when its own program's peak live bytes
     ("memory_bytes", the fit check's estimate of the module the partitioner hands the backend,
     `perfmodel.Programs`) fit the budget (trainer.memory_budget_gib, at most the platform's
     device memory). Meshes that do not divide a node's devices are left out. Ranked by
@@ -114,7 +124,8 @@ def explore(
     the recommended mesh, k and reduce at each node count of `scale_nodes`, the per-node
     batch of the config (weak scaling)."""
     t0 = time.perf_counter()
-    meshes = rec.MESHES if meshes is None else meshes
+    if meshes is None:  # the trn2 meshes and the config's own (the only one on one device)
+        meshes = {**rec.MESHES, "config": cfg.mesh.axes()}
     meshes = {m: a for m, a in meshes.items() if _resolves(a, layout.devices_per_node)}
     kw = dict(
         layout=layout,
@@ -126,9 +137,7 @@ def explore(
     )
     budget = plat.budget_gib(cfg.trainer.memory_budget_gib) * GIB
     fits = {m: fitting_k(cfg, axes, nodes, layout, budget) for m, axes in meshes.items()}
-    fit_ks = {
-        (m, nodes): [r["k"] for r in f["table"] if r["bytes"] <= budget] for m, f in fits.items()
-    }
+    fit_ks = {(m, nodes): compile_ks(f["table"], budget) for m, f in fits.items()}
     rows, seen = [], set()
     for cand in rec.candidate_grid(fit_ks, k_limit=k_limit):
         target = resolve_axes(meshes[cand.mesh], layout.devices_per_node * cand.nodes)
