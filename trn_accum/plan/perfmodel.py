@@ -101,7 +101,7 @@ class Programs:
         the config ships; the bytes are that module's peak live bytes per device
         (`trn_accum.analysis.live_bytes`, the dry-run's fit check on CPU), not XLA:CPU's
         footprint, which keeps bf16 temporaries in float32 (the 4-layer proxy's k 2 step on a
-        TPU v5e: 22.45 GB by XLA:CPU, 15.43 GB by the chip's compiler, docs/dry-run.md)."""
+        TPU v5e: 22.45 GB by XLA:CPU, 15.43 GB by the chip's compiler, docs/performance.md)."""
         shape = resolve_axes(cfg.mesh.axes(), len(devices))
         c = with_choices(cfg, mesh=shape)
         c = dataclasses.replace(c, data=dataclasses.replace(c.data, global_batch=rows))
