@@ -138,3 +138,16 @@ def test_the_estimate_fits_the_proxy_that_xla_cpu_put_at_38_gib():
     assert row["chip"] == "ran"
     got = bench.measure(row, tpu=False)["estimate"]
     assert 0 < got <= bench.BUDGET_GIB * 2**30, got / 2**30
+
+
+def test_a_row_run_under_more_overrides_claims_no_chip_verdict():
+    """`target_memory.py --set K=V` prices another config than the one the chip ran: its rows
+    say "-" where the chip's verdict and the agreement would stand."""
+    bench = _benchmark()
+    rows = [
+        {"name": "measured", "chip": "ran", "estimate": 2**30, "tpu_compiler": None},
+        {"name": "changed", "chip": "-", "estimate": 2**30, "tpu_compiler": None},
+    ]
+    lines = bench.table(rows).splitlines()
+    assert lines[-2] == "| measured | ran | 1.00 | yes | n/a | - |"
+    assert lines[-1] == "| changed | - | 1.00 | - | n/a | - |"
