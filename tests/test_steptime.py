@@ -481,3 +481,16 @@ def test_compile_ks_are_the_analytic_fits_or_else_the_largest_k():
     assert compile_ks(table, budget=10) == [4]
     assert compile_ks(table[:2], budget=10) == [2]
     assert compile_ks([], budget=10) == []
+
+
+def test_the_configs_own_mesh_is_a_candidate_only_where_no_named_mesh_has_its_shape():
+    """The 3B's mesh is hybrid-m2 on its 32 nodes (no second name for it); the 4-layer proxy's
+    one device is a shape no trn2 mesh has, so the search gets "config" (else nothing there)."""
+    from trn_accum.plan.search import with_config_mesh
+    from trn_accum.train.config import load_config
+
+    f3b = load_config("configs/fuji-3b-trn2.toml")
+    assert with_config_mesh(f3b, rec.MESHES, 64 * 32) == rec.MESHES
+    proxy = load_config("configs/calibration/proxy-tpu-v5e-l4.toml")
+    got = with_config_mesh(proxy, rec.MESHES, 1)
+    assert got == {**rec.MESHES, "config": {"data": 1, "fsdp": 1, "model": 1}}

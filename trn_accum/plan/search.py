@@ -66,6 +66,18 @@ def compile_ks(table: Sequence[dict], budget: float) -> list[int]:
     return ks or [max(r["k"] for r in table)] if table else []
 
 
+def with_config_mesh(cfg, meshes: dict, devices: int) -> dict:
+    """`meshes` and, as "config", the config's own mesh where it resolves on `devices` (the
+    whole job) to a shape none of them has: on one TPU device the only one that resolves."""
+    own = cfg.mesh.axes()
+    if not _resolves(own, devices):
+        return dict(meshes)
+    shapes = [resolve_axes(a, devices) for a in meshes.values() if _resolves(a, devices)]
+    if resolve_axes(own, devices) in shapes:
+        return dict(meshes)
+    return {**meshes, "config": own}
+
+
 def _has_data(row) -> bool:
     """The candidate's full mesh has a data axis (else "once" is per_minibatch)."""
     return row["summary"].get("target_mesh", {}).get("data", 1) > 1
@@ -124,8 +136,8 @@ def explore(
     the recommended mesh, k and reduce at each node count of `scale_nodes`, the per-node
     batch of the config (weak scaling)."""
     t0 = time.perf_counter()
-    if meshes is None:  # the trn2 meshes and the config's own (the only one on one device)
-        meshes = {**rec.MESHES, "config": cfg.mesh.axes()}
+    if meshes is None:
+        meshes = with_config_mesh(cfg, rec.MESHES, layout.devices_per_node * nodes)
     meshes = {m: a for m, a in meshes.items() if _resolves(a, layout.devices_per_node)}
     kw = dict(
         layout=layout,
