@@ -16,6 +16,10 @@ the model's prediction, and a role: "fitted" (its measurement set a constant of
     python benchmarks/calibrate.py --targets       # recompute the targets' stored features
     python benchmarks/calibrate.py --range NAME    # a target's prediction under every
                                                    # alternative the Trainium rows allow
+    python benchmarks/calibrate.py --features tpu-v5e  # its one-device rows' stored features
+                                                   # from their lowered programs (no compile)
+    python benchmarks/calibrate.py --roofline tpu-v5e  # its rows priced kernel by kernel at
+                                                   # the measured rates, nothing fitted
 
 A TPU row's prediction is `trn-accum dry-run --config C --platform tpu-v5e --devices 1 --json`
 (step_time.config.summary.predicted_step_s). A Trainium row's is `--predict NAME`: the model of
@@ -42,6 +46,7 @@ import json
 import os
 import pathlib
 import re
+import shlex
 import subprocess
 import sys
 
@@ -319,6 +324,81 @@ def refresh(table: dict, names: list[str] | None) -> None:
         )
 
 
+def _dry_run_args(row: dict) -> tuple[str, list[str]]:
+    """(config path, --set items) of a one-device dry-run row's command."""
+    cmd = shlex.split(row["predict_command"])
+    if cmd[:2] != ["trn-accum", "dry-run"] or cmd[cmd.index("--devices") + 1] != "1":
+        raise SystemExit(f"{row['name']}: not a one-device dry-run: {row['predict_command']}")
+    sets = [cmd[i + 1] for i, c in enumerate(cmd) if c == "--set"]
+    return cmd[cmd.index("--config") + 1], sets
+
+
+def lowered_module(row: dict):
+    """The module a one-device row's dry-run prices, by lowering alone: a program of one
+    partition skips the SPMD partitioner, so its module before XLA's optimizations is what
+    `trn_accum.analysis.partitioned` reads (tests/test_rates.py checks the two agree)."""
+    import jax
+
+    from trn_accum.analysis.hlo import parse_hlo
+    from trn_accum.train import step as step_lib
+    from trn_accum.train.config import load_config
+
+    path, sets = _dry_run_args(row)
+    cfg = load_config(str(ROOT / path), sets)
+    mesh = step_lib.make_mesh(cfg, jax.devices()[:1])
+    with jax.set_mesh(mesh):
+        program = step_lib.build_step(cfg, mesh, batch_rows=cfg.data.global_batch)
+        return parse_hlo(program.lowered.as_text(dialect="hlo"))
+
+
+def refresh_features(table: dict, platform_name: str) -> None:
+    """The stored features of the platform's one-device rows, from their lowered programs (a
+    second each: no compile), and their roofline groups (`trn_accum.analysis.roofline`)."""
+    from trn_accum.analysis import platforms, pricing, roofline
+
+    eff = platforms.get(platform_name).efficiency
+    for r in table["rows"]:
+        if r["platform"] != platform_name:
+            continue
+        module = lowered_module(r)
+        f = pricing.op_features(module, eff.tile, eff.rates)
+        r["features"] = {k: f[k] for k in pricing.FEATURES}
+        r["roofline_groups"] = roofline.aggregate(roofline.fusions(module, eff.tile))
+        print(f"{r['name']:<60} features stored", flush=True)
+
+
+def roofline_table(table: dict, platform_name: str) -> None:
+    """Each row's step priced kernel by kernel at the platform's measured rates (no fit), the
+    dots' share of that, and the measured step."""
+    import statistics
+
+    from trn_accum.analysis import platforms, roofline
+
+    plat = platforms.get(platform_name)
+    errs = []
+    for r in table["rows"]:
+        if r["platform"] != platform_name or "roofline_groups" not in r:
+            continue
+        s = roofline.seconds(
+            roofline.from_rows(r["roofline_groups"]),
+            r["features"]["loop_iterations"],
+            plat.peak_flops,
+            plat.hbm_bytes_s,
+            plat.efficiency.rates,
+        )
+        errs.append(error_pct(s["total_s"], r["measured_s"]))
+        print(
+            f"{r['name']:<60} measured {r['measured_s']:.4f} roofline {s['total_s']:.4f} "
+            f"({errs[-1]:+.1f} %): dots {s['dot_s']:.4f}, fused {s['fused_s']:.4f}, "
+            f"kernels {s['kernel_s']:.4f}, loops {s['loop_s']:.4f}"
+        )
+    if errs:
+        print(
+            f"{len(errs)} rows: error {min(errs):+.1f} to {max(errs):+.1f} %, median |error| "
+            f"{statistics.median(abs(e) for e in errs):.1f} %"
+        )
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python benchmarks/calibrate.py")
     p.add_argument("--rows", default=None, help="comma-separated row names (default: all)")
@@ -333,6 +413,10 @@ def main(argv=None) -> int:
     p.add_argument("--targets", action="store_true", help="recompute the targets' features")
     p.add_argument("--range", default=None, metavar="NAME", help="a target's step-time range")
     p.add_argument("--json", action="store_true", help="--range as JSON")
+    p.add_argument(
+        "--features", default=None, metavar="PLATFORM", help="its one-device rows' features"
+    )
+    p.add_argument("--roofline", default=None, metavar="PLATFORM", help="its rows kernel by kernel")
     a = p.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     if a.predict:
@@ -348,6 +432,13 @@ def main(argv=None) -> int:
     if a.targets:
         refresh_targets(table)
         TABLE.write_text(json.dumps(table, indent=1) + "\n")
+        return 0
+    if a.features:
+        refresh_features(table, a.features)
+        TABLE.write_text(json.dumps(table, indent=1) + "\n")
+        return 0
+    if a.roofline:
+        roofline_table(table, a.roofline)
         return 0
     if a.fit:
         fit(table, a.fit, a.free.split(","))

@@ -26,6 +26,10 @@ _CALL_ATTRS = (
 )
 
 
+#: Custom-call targets that only name a sharding (`Instruction.names_sharding_only`).
+NAMING_CALLS = ("Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape", "xla.sdy.")
+
+
 @dataclasses.dataclass(frozen=True)
 class Instruction:
     """One HLO instruction. `attrs` holds the raw attribute text by key (e.g.
@@ -64,6 +68,13 @@ class Instruction:
             elif key not in ("metadata", "backend_config", "frontend_attributes", "sharding"):
                 names.extend(names_in(value, bare_ok=False))
         return tuple(dict.fromkeys(names))
+
+    @property
+    def names_sharding_only(self) -> bool:
+        """A custom-call that only names its operand's sharding (no buffer, no work of its own:
+        the SPMD partitioner removes it)."""
+        target = self.attr("custom_call_target") or ""
+        return self.opcode == "custom-call" and target.startswith(NAMING_CALLS)
 
     def attr(self, key: str, default: str | None = None) -> str | None:
         """An attribute's value with surrounding double quotes removed (e.g.

@@ -37,11 +37,10 @@ from trn_accum.analysis.hlo import HloModule, parse_hlo
 from trn_accum.analysis.hlo_ir import Computation, Instruction
 from trn_accum.analysis.hlo_text import parse_type, split_top_level
 
-__all__ = ["donated_parameters", "peak_live_bytes"]
+__all__ = ["CONSUMERS", "FUSIBLE", "donated_parameters", "fused_into_users", "peak_live_bytes"]
 
 _ALIAS = frozenset({"tuple", "get-tuple-element", "bitcast", "reshape", "opt-barrier"})
-_NAMING_CALLS = ("Sharding", "SPMDFullToShardShape", "SPMDShardToFullShape", "xla.sdy.")
-_FUSIBLE = frozenset(
+FUSIBLE = frozenset(
     """abs add and atan2 broadcast cbrt ceil clamp compare concatenate constant convert cosine
     divide dynamic-slice erf exponential exponential-minus-one floor iota is-finite log
     log-plus-one logistic maximum minimum multiply negate not or pad power reduce-precision
@@ -50,7 +49,7 @@ _FUSIBLE = frozenset(
     shift-right-logical""".split()
 )
 _SINKABLE = frozenset({"broadcast", "constant", "iota"})
-_CONSUMERS = _FUSIBLE | {"reduce", "dot", "dynamic-update-slice", "reshape", "bitcast"}
+CONSUMERS = FUSIBLE | {"reduce", "dot", "dynamic-update-slice", "reshape", "bitcast"}
 
 
 def donated_parameters(module: HloModule) -> frozenset[int]:
@@ -175,7 +174,7 @@ class _Sweep:
                 values[ins.name] = self._inline(callee, ops, users.get(ins.name, []))
             else:
                 fused = ins is not root or args is not None
-                fused = fused and bool(users.get(ins.name)) and set(users[ins.name]) <= _CONSUMERS
+                fused = fused and bool(users.get(ins.name)) and set(users[ins.name]) <= CONSUMERS
                 values[ins.name], self.extra[i] = self._value(ins, ops, i, fused)
         return values[root.name] if root is not None else frozenset()
 
@@ -225,7 +224,7 @@ class _Sweep:
             return (v[int(ins.attrs["index"])] if isinstance(v, list) else v), 0
         if op == "tuple":
             return list(ops), 0
-        if op in _ALIAS or op == "dynamic-update-slice" or _names_only(ins):
+        if op in _ALIAS or op == "dynamic-update-slice" or ins.names_sharding_only:
             return ops[0], 0
         if op == "while":
             body = self.walker.peak(ins.attr("body").lstrip("%"), True)
@@ -234,7 +233,7 @@ class _Sweep:
             called = [c for c in ins.called_computations if c in self.walker.module.computations]
             inner = [self.walker.peak(c, False) for c in called]
             return self._new(ins.type_text, i), max((p - q for p, q in inner), default=0)
-        if op in _FUSIBLE and fused:
+        if op in FUSIBLE and fused:
             return frozenset(b for v in ops for b in _leaves(v)), 0
         return self._new(ins.type_text, i), 0
 
@@ -287,13 +286,19 @@ def _operands(ins: Instruction, defined: Mapping[str, Instruction]) -> list[str]
     return list(dict.fromkeys(n for n in names if n in defined))
 
 
+def fused_into_users(ins: Instruction, user_opcodes: Sequence[str]) -> bool:
+    """Whether a backend fuses `ins` into its users (see the module docstring): elementwise-like
+    and read only by ops that take fused inputs."""
+    return ins.opcode in FUSIBLE and bool(user_opcodes) and set(user_opcodes) <= CONSUMERS
+
+
 def _own_bytes(ins: Instruction, user_opcodes: Sequence[str]) -> int:
     """Bytes `ins` allocates for the scheduler: none for names of other buffers and for a
     fused elementwise op (see the module docstring), else its result."""
     op = ins.opcode
-    if op in _ALIAS or op in ("parameter", "dynamic-update-slice", "while") or _names_only(ins):
+    if op in _ALIAS or op in ("parameter", "dynamic-update-slice", "while"):
         return 0
-    if op in _FUSIBLE and user_opcodes and set(user_opcodes) <= _CONSUMERS:
+    if ins.names_sharding_only or fused_into_users(ins, user_opcodes):
         return 0
     return ins.result_bytes
 
@@ -331,12 +336,6 @@ def _lookup(values: dict, operand: str):
     base, _, index = operand.rpartition("#")  # jaxlib >= 0.11 prints `%t#i` for a GTE
     v = values[base]
     return v[int(index)] if isinstance(v, list) else v
-
-
-def _names_only(ins: Instruction) -> bool:
-    """A custom-call that only names its operand's sharding (no buffer of its own)."""
-    target = ins.attr("custom_call_target") or ""
-    return ins.opcode == "custom-call" and target.startswith(_NAMING_CALLS)
 
 
 def _leaves(value) -> list[int]:

@@ -18,6 +18,7 @@ import math
 from collections.abc import Mapping
 
 from trn_accum.analysis.pricing import Efficiency
+from trn_accum.analysis.rates import Rates
 from trn_accum.neuron import platform as neuron
 
 __all__ = ["DEFAULT", "PLATFORMS", "Platform", "get"]
@@ -88,20 +89,62 @@ class Platform:
         return min(float(configured), self.memory_gib)
 
 
-# Op efficiencies fitted on one TPU v5e chip (benchmarks/calibrate.py --fit tpu-v5e --free
-# kernel_bytes,elementwise_bytes,loop_elementwise_bytes,kernels,loop_iterations, on the rows
-# marked fitted in benchmarks/calibration.json; dots held at peak): elementwise ops outside
-# loops reach 11.6x the HBM bandwidth on their unfused result bytes (they fuse into few
-# passes), inside loops 1.39x; kernel bytes, launches and loop iterations fit to 0 (folded
-# into the rest: the non-negative fit leaves them no share).
+# What single ops reach on one TPU v5e chip, measured (`python3 benchmarks/op_rates.py --out
+# benchmarks/op-rates-tpu-v5e.json`, TPU v5 lite, jax 0.10.2, 2026-12-07; tests/test_rates.py
+# checks these against that file): a bf16 dot's share of the 197 TFLOP/s peak at each
+# (M, N, K) of 128, 512, 2048, 8192 (TPU_V5E_DOT_TABLE[i][j][l]: M = grid[i], N = grid[j],
+# K = grid[l]); an elementwise pass over 512 MiB reaches 0.731 of the 819 GB/s; a loop
+# iteration costs 40.7 ns.
+TPU_V5E_DOT_TABLE = (
+    (
+        (0.024, 0.063, 0.125, 0.171),
+        (0.087, 0.170, 0.235, 0.305),
+        (0.269, 0.257, 0.343, 0.413),
+        (0.556, 0.315, 0.436, 0.465),
+    ),
+    (
+        (0.082, 0.164, 0.230, 0.306),
+        (0.413, 0.453, 0.501, 0.724),
+        (0.702, 0.708, 0.807, 0.865),
+        (0.676, 0.789, 0.853, 0.901),
+    ),
+    (
+        (0.216, 0.235, 0.342, 0.415),
+        (0.607, 0.717, 0.777, 0.867),
+        (0.665, 0.861, 0.839, 0.910),
+        (0.638, 0.873, 0.915, 0.910),
+    ),
+    (
+        (0.379, 0.371, 0.436, 0.461),
+        (0.657, 0.828, 0.871, 0.922),
+        (0.663, 0.875, 0.931, 0.908),
+        (0.205, 0.810, 0.919, 0.852),
+    ),
+)
+TPU_V5E_RATES = Rates(
+    dot_grid=(128, 512, 2048, 8192),
+    dot_table=TPU_V5E_DOT_TABLE,
+    bandwidth=0.731,
+    loop_iter_s=4.07e-8,
+    source="benchmarks/op-rates-tpu-v5e.json (benchmarks/op_rates.py on a TPU v5e, 2026-12-07)",
+)
+
+# The TPU v5e's prices: dots at the measured efficiency of their shape, the kernels no backend
+# fuses at the measured bandwidth, loop iterations at their measured cost (TPU_V5E_RATES;
+# `dot` and `memory` are not used with rates); the elementwise rates fitted
+# (benchmarks/calibrate.py --fit tpu-v5e --free elementwise_bytes,loop_elementwise_bytes, on the
+# rows marked fitted in benchmarks/calibration.json): multiples of the HBM bandwidth on the
+# unfused result bytes, above 1 where fusion keeps bytes from HBM.
 TPU_V5E_EFFICIENCY = Efficiency(
     dot=1.0,
     memory=math.inf,
-    elementwise=11.6,
-    loop_elementwise=1.388,
+    elementwise=4.734,
+    loop_elementwise=2.225,
     kernel_s=0.0,
-    loop_iter_s=0.0,
-    source="fitted on the TPU v5e rows marked fitted in benchmarks/calibration.json",
+    loop_iter_s=TPU_V5E_RATES.loop_iter_s,
+    rates=TPU_V5E_RATES,
+    source="dots, unfused kernels and loops measured on a TPU v5e (TPU_V5E_RATES); elementwise "
+    "rates fitted on the TPU v5e rows marked fitted in benchmarks/calibration.json",
 )
 
 
@@ -125,15 +168,20 @@ TRN2 = Platform(
     ),
     # No trn2 op profile is published. Dots: 33.08 % of peak, fitted on the AXLearn Llama-2
     # 70B row of benchmarks/calibration.json (benchmarks/calibrate.py --fit trn2 --free
-    # dot_flops); its 7B row and the trn1 row are predicted. The other op efficiencies are TPU
-    # v5e's fitted ones (the fusion of elementwise bytes). Overlap 1: collectives run behind
+    # dot_flops); its 7B row and the trn1 row are predicted. The other op efficiencies are the TPU
+    # v5e's fit of 2026-12-06 (the fusion of elementwise bytes, fitted with dots at peak, before
+    # the TPU's op rates were measured; kept as they were). Overlap 1: collectives run behind
     # compute (the Neuron runtime's compute-communication overlap,
     # https://awsdocs-neuron.readthedocs-hosted.com/en/latest/neuron-runtime/explore/compute-comm-overlap.html),
     # an assumption, not a fit.
-    efficiency=dataclasses.replace(
-        TPU_V5E_EFFICIENCY,
+    efficiency=Efficiency(
         dot=0.3308,
-        source="dot fitted on the AXLearn 70B trn2 row, the rest TPU v5e's",
+        memory=math.inf,
+        elementwise=11.6,
+        loop_elementwise=1.388,
+        kernel_s=0.0,
+        loop_iter_s=0.0,
+        source="dot fitted on the AXLearn 70B trn2 row, the rest the TPU v5e's fit of 2026-12-06",
     ),
     overlap=1.0,
     source="trn_accum/neuron/platform.py (Trainium2 and Trn2 architecture pages)",

@@ -26,7 +26,20 @@ five features (`op_features`), per device and step:
   attention, loss chunks) only within one iteration;
 - `kernels`: launches of ops that are kernels of their own (dots, reductions, gathers,
   scatters, dynamic slices, sorts, custom calls), each a fixed cost (`Efficiency.kernel_s`);
-- `loop_iterations`: `while` iterations, each a fixed cost (`Efficiency.loop_iter_s`).
+- `loop_iterations`: `while` iterations, each a fixed cost (`Efficiency.loop_iter_s`);
+- `dot_shaped_flops`: with measured `Rates` (`trn_accum.analysis.rates`), each dot's padded
+  FLOPs over the share of peak the chip reaches at its shape: the FLOPs a dot would do at peak
+  in the time it takes;
+- `unfused_kernel_bytes`: the bytes of the kernel ops that no backend fuses (gathers,
+  scatters, dynamic updates, sorts, custom calls; not the slices, transposes and
+  concatenations a fusion reads through, `trn_accum.analysis.live_bytes.FUSIBLE`), for
+  pricing at the measured bandwidth.
+
+A platform with measured `Rates` (`Efficiency.rates`) prices its dots by `dot_shaped_flops` at
+peak and its kernels by `unfused_kernel_bytes` at the measured share of the bandwidth, neither
+fitted, in place of `dot_flops` at `Efficiency.dot` and `kernel_bytes` at `.memory`; the
+elementwise rates stay fitted (the fusion they fold in is what the roofline check,
+`trn_accum.analysis.roofline`, finds the module alone does not tell).
 
 `price(features, peak, hbm, eff)`: seconds = dot_flops / (peak x dot) + kernel_bytes / (hbm x
 memory) + elementwise_bytes / (hbm x elementwise) + loop_elementwise_bytes / (hbm x
@@ -47,6 +60,8 @@ from collections.abc import Mapping
 from trn_accum.analysis.collectives import COLLECTIVE_KINDS
 from trn_accum.analysis.hlo import HloModule, Instruction
 from trn_accum.analysis.hlo_text import names_in
+from trn_accum.analysis.live_bytes import FUSIBLE
+from trn_accum.analysis.rates import Rates, dot_efficiency, dot_shape
 
 __all__ = ["FEATURES", "Efficiency", "op_features", "price"]
 
@@ -57,10 +72,12 @@ FEATURES = (
     "loop_elementwise_bytes",
     "kernels",
     "loop_iterations",
+    "dot_shaped_flops",
+    "unfused_kernel_bytes",
 )
 
 #: Ops that compute nothing at run time (layout, bookkeeping, control).
-_FREE = frozenset(
+FREE_OPS = frozenset(
     {
         "parameter",
         "constant",
@@ -84,8 +101,8 @@ _FREE = frozenset(
     }
 )
 #: Memory-moving ops that stay kernels of their own: (bytes read + written) per run.
-_MOVES = frozenset({"transpose", "copy", "concatenate", "pad", "slice", "reverse"})
-_KERNELS = frozenset(
+MOVE_OPS = frozenset({"transpose", "copy", "concatenate", "pad", "slice", "reverse"})
+KERNEL_OPS = frozenset(
     {
         "dot",
         "convolution",
@@ -124,16 +141,20 @@ class Efficiency:
     loop_iter_s: float
     tile: int = 128
     source: str = ""
+    rates: Rates | None = None
 
     def coefficients(self, peak_flops: float, hbm_bytes_s: float) -> dict[str, float]:
-        """Seconds per unit of each of `FEATURES`."""
+        """Seconds per unit of each of `FEATURES` (see the module docstring for `rates`)."""
+        r = self.rates
         return {
-            "dot_flops": 1.0 / (peak_flops * self.dot),
-            "kernel_bytes": 1.0 / (hbm_bytes_s * self.memory),
+            "dot_flops": 0.0 if r else 1.0 / (peak_flops * self.dot),
+            "kernel_bytes": 0.0 if r else 1.0 / (hbm_bytes_s * self.memory),
             "elementwise_bytes": 1.0 / (hbm_bytes_s * self.elementwise),
             "loop_elementwise_bytes": 1.0 / (hbm_bytes_s * self.loop_elementwise),
             "kernels": self.kernel_s,
             "loop_iterations": self.loop_iter_s,
+            "dot_shaped_flops": 1.0 / peak_flops if r else 0.0,
+            "unfused_kernel_bytes": 1.0 / (hbm_bytes_s * r.bandwidth) if r else 0.0,
         }
 
     @classmethod
@@ -182,18 +203,39 @@ def _operand_bytes(module: HloModule, ins: Instruction) -> int:
     return sum(o.result_bytes for o in module.operand_instructions(ins))
 
 
-def _is_noop_copy(module: HloModule, ins: Instruction) -> bool:
+def is_noop_copy(module: HloModule, ins: Instruction) -> bool:
     """A copy to its operand's own type and layout (see the module docstring)."""
     ops = module.operand_instructions(ins)
     return len(ops) == 1 and ops[0].type_text.strip() == ins.type_text.strip()
 
 
-def _kind(opcode: str) -> str | None:
+def collective_kind(opcode: str) -> str | None:
     base = opcode.removesuffix("-start").removesuffix("-done")
     return base if base in COLLECTIVE_KINDS else None
 
 
-def _applied(module: HloModule) -> frozenset[str]:
+_KERNEL_BYTES_OPS = frozenset(
+    {"reduce", "reduce-window", "sort", "dynamic-update-slice", "scatter", "select-and-scatter"}
+    | {"gather", "dynamic-slice", "custom-call", "fusion"}
+    | MOVE_OPS
+)
+
+
+def kernel_bytes(module: HloModule, ins: Instruction) -> int:
+    """HBM bytes one run of a memory-moving kernel moves (see the module docstring):
+    reductions and sorts read their operands and write their result; a dynamic update or
+    scatter reads and writes its update; gathers, slices, moves and custom calls read and
+    write their result's size."""
+    op = ins.opcode
+    if op in ("reduce", "reduce-window", "sort"):
+        return _operand_bytes(module, ins) + ins.result_bytes
+    if op in ("dynamic-update-slice", "scatter", "select-and-scatter"):
+        upd = module.operand_instructions(ins)[1:2] if op == "dynamic-update-slice" else ()
+        return 2 * (upd[0].result_bytes if upd else ins.result_bytes)
+    return 2 * ins.result_bytes
+
+
+def applied_computations(module: HloModule) -> frozenset[str]:
     """Computations that run inside another op (reducers, comparators, scatter combiners,
     fusion bodies): their instructions are that op's, not kernels of their own."""
     names: set[str] = set()
@@ -204,15 +246,16 @@ def _applied(module: HloModule) -> frozenset[str]:
     return frozenset(module.reachable_from(*names)) if names else frozenset()
 
 
-def op_features(module: HloModule, tile: int = 128) -> dict[str, float]:
-    """The `FEATURES` of one step of `module` per device (see the module docstring); plus
-    "unknown_trips": ops in loops of unknown trip count (counted once)."""
+def op_features(module: HloModule, tile: int = 128, rates: Rates | None = None) -> dict[str, float]:
+    """The `FEATURES` of one step of `module` per device (see the module docstring;
+    `dot_shaped_flops` 0 without `rates`); plus "unknown_trips": ops in loops of unknown trip
+    count (counted once)."""
     out = dict.fromkeys(FEATURES, 0.0)
     unknown = 0
-    inner = _applied(module)
+    inner = applied_computations(module)
     for ins in module.instructions():
         op = ins.opcode
-        if (op in _FREE and op != "while") or ins.computation in inner:
+        if (op in FREE_OPS and op != "while") or ins.computation in inner:
             continue
         mult = module.trip_multiplier(ins.computation)
         if mult is None:
@@ -222,24 +265,25 @@ def op_features(module: HloModule, tile: int = 128) -> dict[str, float]:
             trips = ins.trip_count or module.counted_trips(ins)
             out["loop_iterations"] += mult * (trips or 1)
             continue
-        if _kind(op) is not None or op.endswith("-done") or op == "async-done":
+        if collective_kind(op) is not None or op.endswith("-done") or op == "async-done":
             continue  # collectives: trn_accum.analysis.steptime
-        if op == "copy" and _is_noop_copy(module, ins):
+        if (op == "copy" and is_noop_copy(module, ins)) or ins.names_sharding_only:
             continue
         if op in ("dot", "convolution"):
-            out["dot_flops"] += mult * dot_padded_flops(module, ins, tile)
-        elif op in ("reduce", "reduce-window", "sort"):
-            out["kernel_bytes"] += mult * (_operand_bytes(module, ins) + ins.result_bytes)
-        elif op in ("dynamic-update-slice", "scatter", "select-and-scatter"):
-            upd = module.operand_instructions(ins)[1:2] if op == "dynamic-update-slice" else ()
-            moved = upd[0].result_bytes if upd else ins.result_bytes
-            out["kernel_bytes"] += mult * 2 * moved
-        elif op in ("gather", "dynamic-slice", "custom-call", "fusion") or op in _MOVES:
-            out["kernel_bytes"] += mult * 2 * ins.result_bytes
+            flops = dot_padded_flops(module, ins, tile)
+            out["dot_flops"] += mult * flops
+            if rates is not None and flops:
+                out["dot_shaped_flops"] += (
+                    mult * flops / dot_efficiency(rates, *dot_shape(module, ins))
+                )
+        elif op in _KERNEL_BYTES_OPS:
+            out["kernel_bytes"] += mult * kernel_bytes(module, ins)
+            if op in KERNEL_OPS and op not in FUSIBLE and op not in ("reduce", "reduce-window"):
+                out["unfused_kernel_bytes"] += mult * kernel_bytes(module, ins)
         else:
             key = "loop_elementwise_bytes" if module.in_loop(ins) else "elementwise_bytes"
             out[key] += mult * ins.result_bytes
-        if op in _KERNELS:
+        if op in KERNEL_OPS:
             out["kernels"] += mult
     out["unknown_trips"] = unknown
     return out

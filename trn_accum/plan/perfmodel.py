@@ -193,7 +193,7 @@ def predict(
         mem[d] = total
         costs = steptime.collective_costs(module, compiled_shape, target, layout)
         comm_achieved = steptime.collective_costs(module, compiled_shape, target, achieved)
-        features = pricing.op_features(module, plat.efficiency.tile)
+        features = pricing.op_features(module, plat.efficiency.tile, plat.efficiency.rates)
         ops = {
             **features,
             **pricing.price(features, plat.peak_flops, plat.hbm_bytes_s, plat.efficiency),
