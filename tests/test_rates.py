@@ -168,3 +168,40 @@ def test_the_op_rates_benchmark_writes_its_rows(tmp_path):
         if r["op"] == "dot":
             flops = 2 * r["batch"] * r["m"] * r["n"] * r["k"]
             assert r["efficiency"] == pytest.approx(flops / (r["seconds"] * 197e12))
+
+
+FUSED = """HloModule f, num_partitions=1
+
+%fused_dot (p0: bf16[64,128], p1: bf16[128,256]) -> bf16[64,256] {
+  %p0 = bf16[64,128]{1,0} parameter(0)
+  %p1 = bf16[128,256]{1,0} parameter(1)
+  %c = f32[64,256]{1,0} convolution(%p0, %p1), dim_labels=bf_io->bf
+  ROOT %r = bf16[64,256]{1,0} convert(%c)
+}
+
+%fused_add (q0: bf16[64,256]) -> bf16[64,256] {
+  %q0 = bf16[64,256]{1,0} parameter(0)
+  ROOT %a = bf16[64,256]{1,0} add(%q0, %q0)
+}
+
+ENTRY %main {
+  %x = bf16[64,128]{1,0} parameter(0)
+  %w = bf16[128,256]{1,0} parameter(1)
+  %d = bf16[64,256]{1,0} fusion(%x, %w), kind=kOutput, calls=%fused_dot
+  %e = bf16[64,256]{1,0} fusion(%d), kind=kLoop, calls=%fused_add
+  %cs = (bf16[64,256]{1,0}, bf16[64,256]{1,0}, u32[]) copy-start(%e)
+  ROOT %cd = bf16[64,256]{1,0} copy-done(%cs)
+}
+"""
+
+
+def test_the_compilers_kernels_are_summed_by_kind():
+    """benchmarks/tpu_fusions.py: a fusion's bytes are its operands and result, its body is
+    not counted again, asynchronous moves apart."""
+    from benchmarks import tpu_fusions
+
+    got = tpu_fusions.bytes_by_kind(parse_hlo(FUSED))
+    out = 64 * 256 * 2
+    assert got["kOutput"] == 64 * 128 * 2 + 128 * 256 * 2 + out
+    assert got["kLoop"] == 2 * out
+    assert got["async"] == (out + 2 * out + 4) + (2 * out + 4 + out)
