@@ -1,6 +1,7 @@
 """The fit check's memory of the target against what TPU v5e did with each measured config.
 
-    .venv/bin/python benchmarks/target_memory.py [--tpu] [--only NAME ...] [--set K=V] [--json]
+    .venv/bin/python benchmarks/target_memory.py [--tpu] [--only NAME ...] [--date D] [--set K=V]
+                                                 [--json]
 
 For every config our trainer ran on a TPU v5e chip (15.75 GiB: benchmarks/measured-tpu-v5e.json,
 the step-time rows, the 4-layer proxy rows of "memory_rows", and `proxy_rows`: the sweeps of
@@ -49,6 +50,7 @@ def rows() -> list[dict]:
     for r in data.get("proxy_rows", []):  # benchmarks/step_sweep.py's cases
         chip = "refused" if "error" in r else "ran"
         case = {"name": r["name"], "config": r["config"], "overrides": r["set"], "chip": chip}
+        case["date"] = r.get("date")
         latest[(r["config"], tuple(r["set"]))] = case
     return out + list(latest.values())
 
@@ -124,10 +126,12 @@ def main(argv=None) -> int:
         metavar="KEY=VALUE",
         help="more overrides on every row chosen (e.g. model.num_layers=2)",
     )
+    p.add_argument("--date", help="only the sweep rows measured on this date (YYYY-MM-DD)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     chosen = [r for r in rows() if not args.only or r["name"] in args.only]
+    chosen = [r for r in chosen if not args.date or r.get("date") == args.date]
     if args.set:  # another config than the one measured: no chip verdict to agree with
         chosen = [{**r, "overrides": [*r["overrides"], *args.set], "chip": "-"} for r in chosen]
     results = []

@@ -151,3 +151,22 @@ def test_a_row_run_under_more_overrides_claims_no_chip_verdict():
     lines = bench.table(rows).splitlines()
     assert lines[-2] == "| measured | ran | 1.00 | yes | n/a | - |"
     assert lines[-1] == "| changed | - | 1.00 | - | n/a | - |"
+
+
+def test_the_compilers_peak_is_the_footprint_where_it_reports_one():
+    """A TPU compile's own peak (what the chip's limit holds), else the sum of its parts."""
+    import types
+
+    mem = {"argument": 10, "output": 10, "alias": 10, "temp": 30, "generated_code": 1}
+    with_peak = types.SimpleNamespace(peak_memory_in_bytes=25)
+    assert target_memory.compiled_peak(with_peak, mem) == 25
+    assert target_memory.compiled_peak(types.SimpleNamespace(peak_memory_in_bytes=0), mem) == 40
+    assert target_memory.compiled_peak(object(), mem) == 40
+    assert target_memory.compiled_peak(None, None) is None
+
+
+def test_the_sweep_rows_carry_their_date():
+    """`--date 2026-12-07` picks the 24 configs the chip ran or refused that day."""
+    got = [r for r in _benchmark().rows() if r.get("date") == "2026-12-07"]
+    assert len(got) == 24
+    assert sum(r["chip"] == "refused" for r in got) == 2

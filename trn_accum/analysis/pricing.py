@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from collections.abc import Mapping
 
 from trn_accum.analysis.collectives import COLLECTIVE_KINDS
@@ -181,21 +180,10 @@ def _padded(n: int, tile: int) -> int:
     return max(tile, math.ceil(n / tile) * tile) if n > 0 else 0
 
 
-def _dims(ins: Instruction, key: str) -> list[int]:
-    return [int(x) for x in re.findall(r"\d+", ins.attrs.get(key, ""))]
-
-
 def dot_padded_flops(module: HloModule, ins: Instruction, tile: int) -> float:
-    """2 x batch x M x N x K of one dot, M, N and K each padded to `tile` (0 if the operand
-    shapes are unknown)."""
-    ops = module.operand_instructions(ins)
-    if not ops or not ops[0].shapes or not ins.shapes:
-        return 0.0
-    lhs = ops[0].shapes[0].dims
-    batch = math.prod(lhs[i] for i in _dims(ins, "lhs_batch_dims") if i < len(lhs))
-    k = math.prod(lhs[i] for i in _dims(ins, "lhs_contracting_dims") if i < len(lhs))
-    m = math.prod(lhs) // max(1, batch * k)
-    n = ins.shapes[0].size // max(1, batch * m)
+    """2 x batch x M x N x K of one dot (`rates.dot_shape`), M, N and K each padded to `tile`
+    (0 if the operand shapes are unknown)."""
+    batch, m, n, k = dot_shape(module, ins)
     return 2.0 * batch * _padded(m, tile) * _padded(n, tile) * _padded(k, tile)
 
 

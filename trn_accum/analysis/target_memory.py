@@ -7,9 +7,10 @@ The fit check reads, in this order:
 1. The platform's own compiler where it is at hand. For a TPU that is libtpu: with the `libtpu`
    package installed, `jax.experimental.topologies` describes a TPU slice without a chip, and
    the step lowered on that slice's devices compiles with the TPU compiler on this host
-   (deviceless ahead-of-time compilation). Its `memory_analysis()` is the chip's footprint;
-   where the step does not fit, the compiler refuses it and its message gives the bytes it
-   asked ("Used 20.41G of 15.75G hbm"), taken as the footprint.
+   (deviceless ahead-of-time compilation). Its `memory_analysis()` gives the chip's figures,
+   and of them the compiler's peak (`compiled_peak`) is the footprint; where the step does
+   not fit, the compiler refuses it and its message gives the bytes it asked ("Used 20.41G of
+   15.75G hbm"), taken as the footprint.
 2. Elsewhere (trn2: the Neuron compiler runs on a trn2 host only; a TPU without libtpu): the
    peak live bytes of the module the SPMD partitioner hands the backend, in the program's own
    dtypes (`trn_accum.analysis.live_bytes`).
@@ -27,7 +28,7 @@ from typing import Any
 from trn_accum.analysis.live_bytes import peak_live_bytes
 from trn_accum.analysis.memory import compiled_memory, footprint
 
-__all__ = ["estimate", "refused_bytes", "tpu_devices", "tpu_footprint"]
+__all__ = ["compiled_peak", "estimate", "refused_bytes", "tpu_devices", "tpu_footprint"]
 
 #: TPU v5e slices by chip count: (topology name, chips per host), one host each.
 V5E_SLICES = {1: ("v5e:1x1", (1, 1, 1)), 4: ("v5e:2x2", (2, 2, 1)), 8: ("v5e:2x4", (2, 4, 1))}
@@ -77,7 +78,7 @@ def tpu_devices(platform_name: str, n_devices: int) -> Sequence[Any] | None:
 
 def tpu_footprint(lower: Callable[[Sequence[Any]], Any], devices: Sequence[Any]) -> int:
     """Per-device bytes of the step the TPU compiler makes: `lower(devices)` returns the step
-    lowered on `devices` (`tpu_devices`); arguments + outputs - aliased + temporaries, or the
+    lowered on `devices` (`tpu_devices`); the compiler's own peak (`compiled_peak`), or the
     bytes its out-of-memory refusal asked for. Any other compile error is raised."""
     lowered = lower(devices)
     try:
@@ -87,7 +88,17 @@ def tpu_footprint(lower: Callable[[Sequence[Any]], Any], devices: Sequence[Any])
         if asked is None:
             raise
         return asked
-    return footprint(compiled_memory(compiled))
+    return compiled_peak(compiled.memory_analysis(), compiled_memory(compiled))
+
+
+def compiled_peak(stats: Any, mem: dict[str, int] | None) -> int | None:
+    """The peak bytes a compiled program holds at once: the compiler's own figure
+    (`peak_memory_in_bytes` of its memory analysis, where it reports one), else arguments +
+    outputs - aliased + temporaries (`memory.footprint`), which takes every temporary as live
+    at once with the arguments. The TPU compiler's peak is what the chip's limit holds: the
+    chip ran three steps whose sum is above its 16,909,336,064 bytes (docs/dry-run.md)."""
+    peak = int(getattr(stats, "peak_memory_in_bytes", 0) or 0) if stats is not None else 0
+    return peak if peak > 0 else footprint(mem)
 
 
 def estimate(
