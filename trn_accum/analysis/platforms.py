@@ -239,12 +239,13 @@ TRN1 = Platform(
 # Cloud TPU v5e page (https://cloud.google.com/tpu/docs/v5e): per chip 197 BF16 TFLOP/s,
 # 16 GB of HBM2 at 819 GB/s, one TensorCore (one JAX device per chip), 8 chips per host,
 # inter-chip interconnect 1,600 Gbps (200 GB/s), 2 x 100 Gbps NICs per host for the
-# data-centre network between hosts. 15.7 GiB is what JAX reports usable on one chip
-# (jax.local_devices()[0].memory_stats()["bytes_limit"] on the chip this model was checked
-# on, benchmarks/calibration.json). A single device needs no links.
+# data-centre network between hosts. Usable on one chip: 16,909,336,064 B (15.75 GiB), what JAX
+# reports (jax.local_devices()[0].memory_stats()["bytes_limit"], the rows of
+# benchmarks/measured-tpu-v5e.json) and what the TPU compiler's refusals name ("of 15.75G
+# hbm"). A single device needs no links.
 TPU_V5E_PEAK_FLOPS = 197e12
 TPU_V5E_HBM_BYTES_S = 819e9
-TPU_V5E_MEMORY_GIB = 15.7
+TPU_V5E_MEMORY_GIB = 16_909_336_064 / 2**30
 TPU_V5E_CHIPS_PER_HOST = 8
 _TPU_LINKS = {
     neuron.LINK_CHIP: {"bytes_per_s": TPU_V5E_HBM_BYTES_S / 2, "latency_s": 1e-6},
