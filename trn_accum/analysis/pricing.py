@@ -2,8 +2,9 @@
 
 Input: the module right after XLA's SPMD partitioner (`trn_accum.analysis.partitioned`): shard
 shapes, the dtypes the program wrote, no backend fusion. Each reachable instruction counts as
-many times as it runs (`HloModule.trip_multiplier`, loops' trip counts included) in one of
-five features (`op_features`), per device and step:
+many times as it runs (`HloModule.trip_multiplier`, loops' trip counts included) in the
+features (`op_features`), per device and step (the partitioner's sharding names,
+`Instruction.names_sharding_only`, are no ops and count nowhere):
 
 - `dot_flops`: 2 x M x N x K of every dot, each of M, N, K rounded up to the matrix unit's tile
   (`Efficiency.tile`: a 100 x 100 product costs a 128 x 128 one), the shape part of a dot's
@@ -43,9 +44,11 @@ elementwise rates stay fitted (the fusion they fold in is what the roofline chec
 
 `price(features, peak, hbm, eff)`: seconds = dot_flops / (peak x dot) + kernel_bytes / (hbm x
 memory) + elementwise_bytes / (hbm x elementwise) + loop_elementwise_bytes / (hbm x
-loop_elementwise) + kernels x kernel_s + loop_iterations x loop_iter_s, linear in the inverse
-efficiencies, which is what lets `benchmarks/calibrate.py` fit them by non-negative least
-squares on measured steps. Collectives are not priced here (`trn_accum.analysis.steptime`).
+loop_elementwise) + kernels x kernel_s + loop_iterations x loop_iter_s (with rates:
+dot_shaped_flops / peak and unfused_kernel_bytes / (hbm x bandwidth) in place of the first
+two), linear in the inverse efficiencies, which is what lets `benchmarks/calibrate.py` fit them
+by non-negative least squares on measured steps. Collectives are not priced here
+(`trn_accum.analysis.steptime`).
 
 Stdlib only.
 """
@@ -62,7 +65,20 @@ from trn_accum.analysis.hlo_text import names_in
 from trn_accum.analysis.live_bytes import FUSIBLE
 from trn_accum.analysis.rates import Rates, dot_efficiency, dot_shape
 
-__all__ = ["FEATURES", "Efficiency", "op_features", "price"]
+__all__ = [
+    "FEATURES",
+    "FREE_OPS",
+    "KERNEL_OPS",
+    "MOVE_OPS",
+    "Efficiency",
+    "applied_computations",
+    "collective_kind",
+    "dot_padded_flops",
+    "is_noop_copy",
+    "kernel_bytes",
+    "op_features",
+    "price",
+]
 
 FEATURES = (
     "dot_flops",

@@ -30,7 +30,6 @@ Stdlib only.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Iterable, Sequence
 
 from trn_accum.analysis import pricing
@@ -97,28 +96,21 @@ def fusions(module: HloModule, tile: int = 128) -> list[Group]:
     def fused(ins: Instruction) -> bool:
         return fused_into_users(ins, [u.opcode for u in users.get(ins.name, ())])
 
-    memo: dict[str, tuple[dict[str, int], float, tuple]] = {}
+    memo: dict[str, dict[str, int]] = {}
 
-    def sources(ins: Instruction) -> tuple[dict[str, int], float, tuple]:
-        """({value: bytes} read, dot FLOPs, the largest dot's shape) of the kernel `ins`
-        roots, through its fused producers."""
-        if ins.name in memo:
-            return memo[ins.name]
-        reads: dict[str, int] = {}
-        flops, shape = 0.0, (0, 0, 0, 0)
-        if ins.opcode in ("dot", "convolution"):
-            flops, shape = pricing.dot_padded_flops(module, ins, tile), dot_shape(module, ins)
-        for op in module.operand_instructions(ins):
-            if op.opcode in ("constant", "iota"):
-                continue
-            if op.names_sharding_only or fused(op) or op.opcode in ("reshape", "bitcast"):
-                r, f, sh = sources(op)
-                reads.update(r)
-                flops += f
-                shape = max(shape, sh, key=lambda x: math.prod(x))
-            else:
-                reads[op.name.split("#")[0]] = op.result_bytes
-        memo[ins.name] = (reads, flops, shape)
+    def reads(ins: Instruction) -> dict[str, int]:
+        """{value: bytes} the kernel `ins` roots reads, through its fused producers (dots are
+        never fused into a user: each is a kernel of its own)."""
+        if ins.name not in memo:
+            out: dict[str, int] = {}
+            for op in module.operand_instructions(ins):
+                if op.opcode in ("constant", "iota"):
+                    continue
+                if op.names_sharding_only or fused(op) or op.opcode in ("reshape", "bitcast"):
+                    out.update(reads(op))
+                else:
+                    out[op.name.split("#")[0]] = op.result_bytes
+            memo[ins.name] = out
         return memo[ins.name]
 
     groups: list[Group] = []
@@ -131,8 +123,10 @@ def fusions(module: HloModule, tile: int = 128) -> list[Group]:
         if ins.opcode in pricing.KERNEL_OPS and kind == "kernel":
             groups.append(_counted(module, ins, kind, 0.0, pricing.kernel_bytes(module, ins)))
             continue
-        reads, flops, shape = sources(ins)
-        nbytes = sum(reads.values()) + ins.result_bytes
+        flops, shape = 0.0, (0, 0, 0, 0)
+        if kind == "dot":
+            flops, shape = pricing.dot_padded_flops(module, ins, tile), dot_shape(module, ins)
+        nbytes = sum(reads(ins).values()) + ins.result_bytes
         groups.append(_counted(module, ins, kind, flops, nbytes, shape))
     return groups
 
