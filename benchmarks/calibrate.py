@@ -375,6 +375,11 @@ def roofline_table(table: dict, platform_name: str) -> None:
     from trn_accum.analysis import platforms, roofline
 
     plat = platforms.get(platform_name)
+    if plat.efficiency.rates is None:
+        raise SystemExit(
+            f"--roofline {platform_name}: no op rates measured for it (platforms.py); "
+            "measure them with benchmarks/op_rates.py on its chip (tpu-v5e has them)"
+        )
     errs = []
     for r in table["rows"]:
         if r["platform"] != platform_name or "roofline_groups" not in r:

@@ -118,3 +118,15 @@ def test_the_3b_range_holds_only_alternatives_every_trainium_row_allows():
         },
     )
     assert got["central_s"] == pytest.approx(central, rel=1e-9)
+
+
+def test_the_roofline_check_needs_measured_rates_and_reads_the_stored_kernels(capsys):
+    """`calibrate.py --roofline`: one line for a platform with no measured op rates; for the
+    TPU v5e every row with stored kernels, priced."""
+    calibrate = _calibrate()
+    with pytest.raises(SystemExit, match="no op rates measured"):
+        calibrate.main(["--roofline", "trn2"])
+    assert calibrate.main(["--roofline", "tpu-v5e"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    stored = [r for r in ROWS if r["platform"] == "tpu-v5e" and "roofline_groups" in r]
+    assert len(lines) == len(stored) + 1 and lines[-1].startswith(f"{len(stored)} rows")
