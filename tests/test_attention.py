@@ -536,7 +536,8 @@ def _benchmark_script():
 
 def test_attention_benchmark_runs_every_row_and_prices_it(capsys):
     """One table row per implementation asked for (no Pallas off a TPU); share of peak = the
-    trainer's causal attention FLOPs (6 H Dh S^2 per sequence) / time / tpu-v5e's 197e12."""
+    trainer's causal attention FLOPs (6 H Dh S^2 per sequence) / time / tpu-v5e's 197e12, and
+    FlashAttention's benchmark count beside it (7 H Dh S^2)."""
     bench = _benchmark_script()
     argv = ["--seq", "32", "--heads", "4", "--kv-heads", "2", "--head-dim", "8", "--runs", "1"]
     rows = bench.main(argv + ["--blockwise", "8", "--flash", "8", "8:16", "--pallas", "8"])
@@ -545,6 +546,7 @@ def test_attention_benchmark_runs_every_row_and_prices_it(capsys):
     assert bench.attention_flops(1, 32, 4, 8) == flops
     for r in rows:
         assert r["ms"] > 0 and r["share"] == pytest.approx(flops / (r["ms"] / 1e3) / 197e12)
+        assert r["fa2"] == pytest.approx(7 * 4 * 8 * 32 * 32 / (r["ms"] / 1e3) / 197e12)
     assert "flash 8:16" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         bench.parse_args(["--flash", "8:x"])
