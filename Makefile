@@ -85,7 +85,7 @@ TESTS_JAX_NEXT := tests/test_accumulation.py tests/test_strategy.py tests/test_s
                   tests/test_reduce_once.py tests/test_reduce_dtype.py \
                   tests/test_summaries.py tests/test_clients.py \
                   tests/test_model.py tests/test_attention.py tests/test_fsdp_program.py \
-                  tests/test_hlo.py tests/test_target_memory.py
+                  tests/test_hlo.py tests/test_target_memory.py tests/test_neuron_lowering.py
 
 # Left to the suite's JAX alone: the gather-once and reduce-once checks on the Fuji model (the
 # same properties are checked here on the MLP of the same files, and the accumulation does not

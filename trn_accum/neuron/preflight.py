@@ -21,7 +21,10 @@ warnings
   ``threefry``         Threefry PRNG ops while the configured PRNG is rbg (e.g. ``fold_in`` or
                        ``split`` of an rbg key, which JAX implements with Threefry)
   ``custom-call``      a custom-call to an unrecognised target (a CPU library kernel, say)
-  ``reduce-precision`` a ``reduce-precision`` op (listed unsupported by Neuron)
+  ``reduce-precision`` a ``reduce-precision`` op (listed unsupported by Neuron) that changes its
+                       operand; one that rounds a value to its own type's bits is the identity,
+                       emitted by remat for every saved residual, and is not lowered for Neuron
+                       (`trn_accum.neuron.lowering`), so it is not a finding
 
 Static trip counts. In compiled HLO XLA annotates every loop whose trip count it can prove with
 ``backend_config={"known_trip_count":{"n":"5"}, ...}`` — a fixed-length ``lax.scan`` or a
@@ -41,6 +44,7 @@ import re
 from collections.abc import Sequence
 
 from trn_accum.analysis import hlo as hlo_lib
+from trn_accum.neuron import lowering
 
 BLOCKER = "blocker"
 WARNING = "warning"
@@ -121,6 +125,15 @@ _SEVERITY = {
     "custom-call": WARNING,
     "reduce-precision": WARNING,
 }
+
+
+def _identity_rounding(ins: hlo_lib.Instruction, dtypes: set[str]) -> bool:
+    """A reduce-precision to at least its own type's exponent and mantissa bits (remat's, on
+    every residual): `trn_accum.neuron.lowering.is_identity`."""
+    bits = (ins.attrs.get("exponent_bits"), ins.attrs.get("mantissa_bits"))
+    if None in bits or len(dtypes) != 1:
+        return False
+    return lowering.is_identity(next(iter(dtypes)), int(bits[0]), int(bits[1]))
 
 
 def _op_name(ins: hlo_lib.Instruction) -> str | None:
@@ -280,7 +293,7 @@ def preflight(hlo_text: str | hlo_lib.HloModule, *, prng_impl: str | None = None
         elif op == "dynamic-update-slice" and mod.in_loop(ins):
             if not all(res.is_constant(res.operand(ins, i)) for i in range(2, len(ins.operands))):
                 raw.append(("dus-in-loop", "", ins))
-        elif op == "reduce-precision":
+        elif op == "reduce-precision" and not _identity_rounding(ins, dtypes):
             raw.append(("reduce-precision", "", ins))
         elif (
             op == "constant"

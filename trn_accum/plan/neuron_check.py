@@ -23,8 +23,9 @@ its reference (the same program another way, on the same devices, or exact arith
     kernel-pair   the NKI kernels at the job's per-device shape and LNC, an odd B x KV at LNC=2
                   included when the heads give one (trn2 only: off Neuron it is skipped and
                   names the shapes it would run; trn_accum/plan/node_rows.py)
-    remat         a remat'ed bf16 layer equal to the plain one (the preflight warns that remat can
-                  emit reduce-precision, which Neuron lists unsupported: this row proves it runs)
+    remat         a remat'ed bf16 layer equal to the plain one, compiled as the trainer compiles
+                  it (on Neuron without remat's identity reduce-precision, which Neuron lists
+                  unsupported: trn_accum/neuron/lowering.py)
     checkpoint    a save and restore on the run directory's filesystem, bit-exact
     cache         the compile-cache directories writable
 

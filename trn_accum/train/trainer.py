@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 
+from trn_accum.neuron import lowering
 from trn_accum.train import autosettings, drift, mesh_rules, step
 from trn_accum.train import data as data_lib
 from trn_accum.train.config import Config, config_to_dict
@@ -60,6 +61,8 @@ class Trainer:
     def build(cls, cfg: Config, devices=None) -> Trainer:
         mesh_rules.check_start(cfg, devices)  # what `trn-accum check-config` checks, the same call
         mesh = mesh_rules.make_mesh(cfg, devices)
+        if mesh.devices.flat[0].platform == "neuron":  # remat's identity rounding, not lowered
+            lowering.drop_identity_reduce_precision("neuron")
         # The data first: a bad data path or file is reported before anything compiles.
         dataset = data_lib.make_dataset(
             cfg.data.kind,
