@@ -22,8 +22,10 @@ program that returns the output and the gradients of q, k and v for a fixed cota
 `--counters` compiles each row instead of timing it and prints what the step-time model reads
 from its module (`trn_accum.analysis.pricing.op_features`): dot FLOPs, the bytes of kernels and
 elementwise ops (`kernel_bytes + elementwise_bytes + loop_elementwise_bytes`), loop iterations,
-and the peak live bytes the dry-run's fit estimates (`trn_accum.analysis.live_bytes`). Nothing
-is allocated: the inputs are shapes only, so S 8192 runs on a laptop.
+the peak live bytes the dry-run's fit estimates (`trn_accum.analysis.live_bytes`), and the
+model's price of those counters on `--platform` (what the dry-run would charge the row inside a
+step; set it beside the chip's time of the same row). Nothing is allocated: the inputs are
+shapes only, so S 8192 runs on a laptop.
 
 Share of peak: the project's FLOP count (`trn_accum.train.flops.flops_per_step`, causal attention
 of one layer: 6 H Dh S^2 per sequence) over the time, against `--platform`'s peak dense FLOP/s
@@ -126,8 +128,10 @@ def time_fwd_bwd(fn, inputs, runs: int) -> float:
     return median_runtime(fwd_bwd(fn), inputs, runs, warmup=1)
 
 
-def counters(fn, inputs) -> dict:
-    """The step-time model's counters of `fn`'s forward + backward on `inputs`' shapes."""
+def counters(fn, inputs, platform: str = "tpu-v5e") -> dict:
+    """The step-time model's counters of `fn`'s forward + backward on `inputs`' shapes, and
+    "priced_s": the model's seconds for them on `platform` (`trn_accum.analysis.pricing`, the
+    platform's efficiency and op rates, as the dry-run prices a step's ops)."""
     from trn_accum.analysis import pricing
     from trn_accum.analysis.hlo import parse_hlo
     from trn_accum.analysis.live_bytes import peak_live_bytes
@@ -135,13 +139,16 @@ def counters(fn, inputs) -> dict:
 
     shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in inputs]
     _, text = compile_partitioned(fwd_bwd(fn).lower(*shapes))
-    f = pricing.op_features(parse_hlo(text))
+    plat = platforms.get(platform)
+    eff = plat.efficiency
+    f = pricing.op_features(parse_hlo(text), eff.tile, eff.rates)
     moved = f["kernel_bytes"] + f["elementwise_bytes"] + f["loop_elementwise_bytes"]
     return {
         "dot_flops": f["dot_flops"],
         "bytes": moved,
         "loop_iterations": f["loop_iterations"],
         "live_bytes": peak_live_bytes(text),
+        "priced_s": pricing.price(f, plat.peak_flops, plat.hbm_bytes_s, eff)["total_s"],
     }
 
 
@@ -219,6 +226,7 @@ def print_counters(args) -> list[dict]:
     """The --counters table; its rows (seq, name and `counters`' keys)."""
     print(
         f"{'S':>6} | {'implementation':<16} | dot FLOPs | kernel+elementwise bytes | loops | live"
+        f" | {args.platform} priced ms"
     )
     rows = []
     for seq in args.seq:
@@ -227,11 +235,11 @@ def print_counters(args) -> list[dict]:
             for h in (args.heads, args.kv_heads, args.kv_heads, args.heads)
         ]
         for name, fn in candidates(args):
-            c = counters(fn, inputs)
+            c = counters(fn, inputs, args.platform)
             rows.append({"seq": seq, "name": name, **c})
             print(
                 f"{seq:>6} | {name:<16} | {c['dot_flops']:.3e} | {c['bytes']:.3e} | "
-                f"{c['loop_iterations']:.0f} | {c['live_bytes']:.3e}",
+                f"{c['loop_iterations']:.0f} | {c['live_bytes']:.3e} | {c['priced_s'] * 1e3:.2f}",
                 flush=True,
             )
     return rows

@@ -13,6 +13,8 @@ the model's prediction, and a role: "fitted" (its measurement set a constant of
     python benchmarks/calibrate.py --reprice       # predictions from the stored features at
                                                    # the constants now in platforms.py
     python benchmarks/calibrate.py --predict NAME  # one row's (or target's) prediction as JSON
+    python benchmarks/calibrate.py --predict fuji-3b-trn2 --set model.attention=flash
+                                                   # the same with config overrides
     python benchmarks/calibrate.py --targets       # recompute the targets' stored features
     python benchmarks/calibrate.py --range NAME    # a target's prediction under every
                                                    # alternative the Trainium rows allow
@@ -49,6 +51,7 @@ import re
 import shlex
 import subprocess
 import sys
+from collections.abc import Sequence
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TABLE = ROOT / "benchmarks" / "calibration.json"
@@ -133,7 +136,7 @@ def refresh_targets(table: dict) -> None:
         print(f"{t['name']:<40} predicted {t['predicted_s']:8.4f}", flush=True)
 
 
-def predict_in_subprocess(name: str) -> int:
+def predict_in_subprocess(name: str, sets: Sequence[str] = ()) -> int:
     from trn_accum.analysis import platforms
     from trn_accum.plan.perfmodel import EMULATE_NODES
 
@@ -143,7 +146,7 @@ def predict_in_subprocess(name: str) -> int:
     flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", ""))
     env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
     env["TRN_ACCUM_CALIBRATE_CHILD"] = "1"
-    cmd = [sys.executable, __file__, "--predict", name]
+    cmd = [sys.executable, __file__, "--predict", name, *(f"--set={x}" for x in sets)]
     return subprocess.call(cmd, env=env, cwd=ROOT)
 
 
@@ -414,6 +417,9 @@ def main(argv=None) -> int:
         help="the features whose coefficients --fit sets",
     )
     p.add_argument("--predict", default=None, metavar="NAME")
+    p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="--predict's overrides"
+    )
     p.add_argument("--reprice", action="store_true", help="predictions from stored features")
     p.add_argument("--targets", action="store_true", help="recompute the targets' features")
     p.add_argument("--range", default=None, metavar="NAME", help="a target's step-time range")
@@ -426,8 +432,10 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(ROOT))
     if a.predict:
         if not os.environ.get("TRN_ACCUM_CALIBRATE_CHILD"):
-            return predict_in_subprocess(a.predict)
-        print(json.dumps(predict_here(_entries(load())[a.predict]), default=str))
+            return predict_in_subprocess(a.predict, a.set)
+        row = _entries(load())[a.predict]
+        row = {**row, "overrides": [*row.get("overrides", []), *a.set]}
+        print(json.dumps(predict_here(row), default=str))
         return 0
     table = load()
     if a.range:

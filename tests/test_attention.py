@@ -566,6 +566,8 @@ def test_attention_benchmark_counters_price_the_programs_without_running_them(ca
     assert by["flash 128"]["loop_iterations"] == 0
     assert by["flash 128"]["dot_flops"] == by["blockwise 128"]["dot_flops"] == 7 * 10 * 2 * 128**3
     assert all(r["bytes"] > 0 and r["live_bytes"] > 0 for r in rows)
+    # the model's price: the dots at no more than the chip's peak, plus the rest of the work
+    assert all(r["priced_s"] > r["dot_flops"] / 197e12 for r in rows)
     assert "kernel+elementwise bytes" in capsys.readouterr().out
 
 

@@ -166,8 +166,8 @@ def test_the_compilers_peak_is_the_footprint_where_it_reports_one():
 
 
 def test_the_sweep_rows_carry_their_date():
-    """`--date 2026-12-07` picks the 26 configs the chip ran or refused that day (the sweeps
-    proxy-4 to proxy-7 and span; a config measured twice counts at its latest)."""
+    """`--date 2026-12-07` picks the 31 configs the chip ran or refused that day (the sweeps
+    proxy-4 to proxy-7, span and span-2; a config measured twice counts at its latest)."""
     got = [r for r in _benchmark().rows() if r.get("date") == "2026-12-07"]
-    assert len(got) == 26
+    assert len(got) == 31
     assert sum(r["chip"] == "refused" for r in got) == 2
