@@ -20,8 +20,10 @@ shardings: no memory for parameters. The report:
 - the step-time floor (analytic FLOPs at peak) and the MFU formula for the node count;
 - the collectives of `split_minibatches` compiled alone with the real input sharding (must be
   0, else a blocker), and the collectives of the whole step (inside / outside loops);
-- the Neuron preflight of the compiled step (`trn_accum.neuron.preflight`): blockers make the
-  command exit non-zero, warnings are listed.
+- the Neuron preflight (`trn_accum.neuron.preflight`) of the step's module right after the
+  partitioner, the program the Neuron compiler is handed (XLA:CPU's later passes rewrite it for
+  the CPU: bf16 work widened to float32, which would make remat's identity rounding a real
+  one): blockers make the command exit non-zero, warnings are listed.
 
 Where the config names a Neuron-only piece (`attention = "neuron_flash"`), the dry-run compiles
 that piece's JAX-side code around stand-ins that follow the kernel's documented shapes, and the
@@ -273,7 +275,7 @@ def _run(cfg, config_path, overrides, devices, nodes, t_start, plat) -> dict[str
     peak_total = plat.peak_flops * total_devices
     floor_s = fl["total"] / peak_total
 
-    blockers, warnings = preflight_findings(hlo_text)
+    blockers, warnings = preflight_findings(partitioned)  # not XLA:CPU's rewrite of it
     if sum(split_counts.values()):
         blockers.append(f"blocker: split: split_minibatches compiled to collectives {split_counts}")
 
