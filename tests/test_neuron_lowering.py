@@ -37,6 +37,8 @@ def _remat_grad_hlo(dtype=jnp.bfloat16) -> str:
         (jnp.bfloat16, (8, 7), True),
         (jnp.float16, (5, 10), True),
         (jnp.int32, (8, 23), False),
+        ("s32", (8, 23), False),  # HLO's names of types it does not round
+        ("f8e4m3fn", (4, 3), False),
     ],
 )
 def test_is_identity(dtype, bits, identity):

@@ -13,10 +13,12 @@ hands the compiler six of these per layer (the 3B step: 168).
 `drop_identity_reduce_precision(platform)` registers, for `platform` only, a lowering of
 `reduce_precision_p` that emits nothing for those identity calls (the operand is the result) and
 the StableHLO op for every other call, which then still reaches the compiler (and the preflight
-still warns of it). `trn_accum.cluster.distributed.initialize` calls it for "neuron" when the
-Neuron backend runs; a JAX user running the accumulation wrapper on Neuron without the trainer
-calls it once after `import jax`. Other platforms keep JAX's rule (the rounding matters there
-when XLA keeps excess precision; it does not change a value that is already of its type).
+still warns of it). `trn_accum.train.trainer.Trainer.build` calls it for "neuron" when its
+mesh is on Neuron devices (the platform is known to JAX once its plugin has loaded), and so does
+`trn-accum neuron-check`'s remat row; a JAX user running the accumulation wrapper on Neuron
+without the trainer calls it once after the backend is up (`jax.devices()`). Other platforms
+keep JAX's rule (the rounding matters there when XLA keeps excess precision; it does not change
+a value that is already of its type).
 
 `is_identity(dtype, exponent_bits, mantissa_bits)` is the one rule, read by the lowering and by
 the preflight (`trn_accum.neuron.preflight`), which does not count such an op as a finding.
@@ -35,7 +37,8 @@ HLO_FLOAT_BITS = {
 
 def is_identity(dtype, exponent_bits: int, mantissa_bits: int) -> bool:
     """Whether reduce_precision(x: `dtype`, exponent_bits, mantissa_bits) returns x unchanged:
-    the bits are at least `dtype`'s own. `dtype`: a NumPy/JAX dtype or an HLO type name."""
+    the bits are at least `dtype`'s own. `dtype`: a NumPy/JAX dtype or an HLO type name (one
+    this module does not know, an integer or an 8-bit float named the HLO way, is not: False)."""
     if isinstance(dtype, str) and dtype in HLO_FLOAT_BITS:
         own = HLO_FLOAT_BITS[dtype]
     else:
@@ -43,7 +46,7 @@ def is_identity(dtype, exponent_bits: int, mantissa_bits: int) -> bool:
 
         try:
             info = jnp.finfo(dtype)
-        except ValueError:  # not a float type
+        except (TypeError, ValueError):  # not a float type, or a name NumPy does not know
             return False
         own = (int(info.nexp), int(info.nmant))
     return exponent_bits >= own[0] and mantissa_bits >= own[1]
