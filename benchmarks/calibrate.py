@@ -327,7 +327,7 @@ def refresh(table: dict, names: list[str] | None) -> None:
         )
 
 
-def _dry_run_args(row: dict) -> tuple[str, list[str]]:
+def dry_run_args(row: dict) -> tuple[str, list[str]]:
     """(config path, --set items) of a one-device dry-run row's command."""
     cmd = shlex.split(row["predict_command"])
     if cmd[:2] != ["trn-accum", "dry-run"] or cmd[cmd.index("--devices") + 1] != "1":
@@ -346,7 +346,7 @@ def lowered_module(row: dict):
     from trn_accum.train import step as step_lib
     from trn_accum.train.config import load_config
 
-    path, sets = _dry_run_args(row)
+    path, sets = dry_run_args(row)
     cfg = load_config(str(ROOT / path), sets)
     mesh = step_lib.make_mesh(cfg, jax.devices()[:1])
     with jax.set_mesh(mesh):

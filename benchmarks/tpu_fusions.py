@@ -25,7 +25,6 @@ from __future__ import annotations
 import collections
 import json
 import pathlib
-import shlex
 import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -38,12 +37,14 @@ def compiled_module(row: dict):
     from trn_accum.train import step as step_lib
     from trn_accum.train.config import load_config
 
-    cmd = shlex.split(row["predict_command"])
-    sets = [cmd[i + 1] for i, c in enumerate(cmd) if c == "--set"]
-    cfg = load_config(str(ROOT / cmd[cmd.index("--config") + 1]), sets)
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.calibrate import dry_run_args
+
+    path, sets = dry_run_args(row)
+    cfg = load_config(str(ROOT / path), sets)
     devices = target_memory.tpu_devices("tpu-v5e", 1)
     if devices is None:
-        raise SystemExit("no TPU compiler here: install libtpu (pip install libtpu)")
+        raise SystemExit("no TPU compiler here: install libtpu (pip install -e '.[tpu]')")
     mesh = step_lib.make_mesh(cfg, devices)
     program = step_lib.build_step(cfg, mesh, batch_rows=cfg.data.global_batch)
     return parse_hlo(program.lowered.compile().as_text())
