@@ -215,3 +215,42 @@ def test_a_compiler_refusal_counts_at_the_bytes_it_asked(monkeypatch):
     measure = autok.CompiledMemory(cfg, "mesh-d", batch_rows=8, depth="full")
     assert measure(1) == asked and measure.fell_back
     assert "its own footprint instead" in measure.method
+
+
+def test_the_compiled_figure_is_the_compilers_peak_where_it_reports_one(monkeypatch):
+    """`figure="compiled"` (and the "target" fallback on a plugin that takes no dump options)
+    read `target_memory.backend_peak`: a TPU compile's own peak, which the chip's limit holds,
+    not arguments + outputs - aliased + temporaries (docs/dry-run.md: the chip ran steps whose
+    sum was above its memory); the sum where the analysis has no peak (XLA:CPU)."""
+    import types
+
+    from trn_accum.train import autok
+
+    parts = dict(argument=10 * GIB, output=10 * GIB, alias=10 * GIB, temp=6 * GIB)
+    stats = {f"{k}_size_in_bytes": v for k, v in parts.items()}
+
+    class Program:
+        lowered = "lowered"
+
+        def __init__(self, **extra):
+            self.stats = types.SimpleNamespace(**stats, **extra)
+
+        @property
+        def compiled(self):
+            return types.SimpleNamespace(memory_analysis=lambda: self.stats)
+
+    cfg = load_config(TINY, ["model.remat=none"])
+    peak = 13 * GIB
+    monkeypatch.setattr(autok.step_lib, "build_step", lambda *a, **k: Program())
+    assert autok._compile_step_bytes(cfg, "mesh-sum", 8, "compiled")[0] == 16 * GIB
+    builds = lambda *a, **k: Program(peak_memory_in_bytes=peak)  # noqa: E731
+    monkeypatch.setattr(autok.step_lib, "build_step", builds)
+    assert autok._compile_step_bytes(cfg, "mesh-peak", 8, "compiled")[0] == peak
+
+    def no_dump(lowered):
+        raise RuntimeError("no option xla_dump")
+
+    monkeypatch.setattr(autok, "compile_partitioned", no_dump)
+    monkeypatch.setattr(autok.jax, "default_backend", lambda: "tpu")
+    measure = autok.CompiledMemory(cfg, "mesh-fallback", batch_rows=8, depth="full")
+    assert measure(1) == peak and measure.fell_back

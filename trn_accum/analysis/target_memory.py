@@ -28,7 +28,14 @@ from typing import Any
 from trn_accum.analysis.live_bytes import peak_live_bytes
 from trn_accum.analysis.memory import compiled_memory, footprint
 
-__all__ = ["compiled_peak", "estimate", "refused_bytes", "tpu_devices", "tpu_footprint"]
+__all__ = [
+    "backend_peak",
+    "compiled_peak",
+    "estimate",
+    "refused_bytes",
+    "tpu_devices",
+    "tpu_footprint",
+]
 
 #: TPU v5e slices by chip count: (topology name, chips per host), one host each.
 V5E_SLICES = {1: ("v5e:1x1", (1, 1, 1)), 4: ("v5e:2x2", (2, 2, 1)), 8: ("v5e:2x4", (2, 4, 1))}
@@ -88,7 +95,7 @@ def tpu_footprint(lower: Callable[[Sequence[Any]], Any], devices: Sequence[Any])
         if asked is None:
             raise
         return asked
-    return compiled_peak(compiled.memory_analysis(), compiled_memory(compiled))
+    return backend_peak(compiled)
 
 
 def compiled_peak(stats: Any, mem: dict[str, int] | None) -> int | None:
@@ -99,6 +106,18 @@ def compiled_peak(stats: Any, mem: dict[str, int] | None) -> int | None:
     chip ran three steps whose sum is above its 16,909,336,064 bytes (docs/dry-run.md)."""
     peak = int(getattr(stats, "peak_memory_in_bytes", 0) or 0) if stats is not None else 0
     return peak if peak > 0 else footprint(mem)
+
+
+def backend_peak(compiled: Any) -> int | None:
+    """`compiled_peak` of a compiled program on the backend that compiled it (None where it
+    reports no memory analysis): what the trainer's "compiled" figure and its fallback read
+    (`trn_accum.train.autok`), the TPU compiler's peak on a TPU, the sum on XLA:CPU (whose
+    analysis has no peak)."""
+    try:
+        stats = compiled.memory_analysis()
+    except Exception:  # a backend without memory analysis
+        stats = None
+    return compiled_peak(stats, compiled_memory(compiled))
 
 
 def estimate(

@@ -36,9 +36,8 @@ from trn_accum.analysis.autotune import (
     extrapolate,
 )
 from trn_accum.analysis.live_bytes import peak_live_bytes
-from trn_accum.analysis.memory import compiled_memory, footprint
 from trn_accum.analysis.partitioned import compile_partitioned
-from trn_accum.analysis.target_memory import refused_bytes
+from trn_accum.analysis.target_memory import backend_peak, refused_bytes
 from trn_accum.neuron.platform import DEVICE_BUDGET_GIB
 from trn_accum.train import step as step_lib
 
@@ -72,9 +71,11 @@ def _compile_step_bytes(cfg, mesh, batch_rows: int, figure: str) -> tuple[int, f
     state and batch, as the dry-run) -> (bytes per device, seconds). `figure` (FIGURES):
     "target" (the default), the peak live bytes of the module the partitioner hands the backend
     (`trn_accum.analysis.target_memory`'s estimate, the dry-run's fit check on CPU); "compiled",
-    this backend's compiled footprint. A compiler's out-of-memory refusal counts at the bytes it
-    asked (`target_memory.refused_bytes`). Where "target" cannot be read off an accelerator's
-    compile (a plugin that refuses XLA's dump options) it is that backend's footprint instead."""
+    this backend's compiled peak (`target_memory.backend_peak`: the TPU compiler's own peak,
+    not the sum that holds every temporary live at once). A compiler's out-of-memory refusal
+    counts at the bytes it asked (`target_memory.refused_bytes`). Where "target" cannot be read
+    off an accelerator's compile (a plugin that refuses XLA's dump options) it is that
+    backend's compiled peak instead."""
     key = (cfg, mesh, batch_rows, figure)
     if key in _CACHE:
         return _CACHE[key]
@@ -91,9 +92,9 @@ def _compile_step_bytes(cfg, mesh, batch_rows: int, figure: str) -> tuple[int, f
             # a plugin that takes no XLA dump options (the partitioned module is read from a
             # dump): this backend's own footprint instead, said in `CompiledMemory.method`
             FELL_BACK.add(key)
-            total = _asked_if_refused(lambda: footprint(compiled_memory(program.compiled)))
+            total = _asked_if_refused(lambda: backend_peak(program.compiled))
     else:
-        total = _asked_if_refused(lambda: footprint(compiled_memory(program.compiled)))
+        total = _asked_if_refused(lambda: backend_peak(program.compiled))
     if total is None:
         raise AutotuneError(
             f"accum_steps = auto: the {jax.default_backend()} backend reports no compiled memory; "
@@ -149,7 +150,7 @@ class CompiledMemory:
     @property
     def method(self) -> str:
         what = (
-            "(arguments + outputs - aliased + temporaries)"
+            "(the backend's compiled peak: target_memory.backend_peak)"
             if self.figure == "compiled"
             else "(the target's estimate: peak live bytes of the partitioned module)"
         )
