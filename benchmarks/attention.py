@@ -141,7 +141,7 @@ def counters(fn, inputs, platform: str = "tpu-v5e") -> dict:
     _, text = compile_partitioned(fwd_bwd(fn).lower(*shapes))
     plat = platforms.get(platform)
     eff = plat.efficiency
-    f = pricing.op_features(parse_hlo(text), eff.tile, eff.rates)
+    f = pricing.op_features(parse_hlo(text), eff.tile, eff.rates, eff.onchip_bytes)
     moved = f["kernel_bytes"] + f["elementwise_bytes"] + f["loop_elementwise_bytes"]
     return {
         "dot_flops": f["dot_flops"],

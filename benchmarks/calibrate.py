@@ -161,15 +161,42 @@ def _fit_overlap(rows: list[dict], plat) -> float:
     return min(1.0, max(0.0, sum(got) / len(got)))
 
 
-def fit(table: dict, platform_name: str, free: list[str]) -> None:
-    """Print the constants of `platform_name` fitted on its "fitted" rows (stored features):
-    the `free` efficiencies by non-negative least squares (with the platform's overlap: the
-    rows' ops taken as the longer of ops and collectives when overlap is 1), or with free =
-    ["overlap"] the overlap. Put them in platforms.py, then `--reprice`."""
+def fitted_efficiency(rows: list[dict], plat, free: list[str]):
+    """`plat`'s efficiency with the `free` features' coefficients solved by non-negative least
+    squares on `rows`' stored features and measurements (with the platform's overlap: the rows'
+    ops taken as the longer of ops and collectives when overlap is 1); the rest kept."""
+    import dataclasses
+
     import numpy as np
     from scipy.optimize import nnls
 
-    from trn_accum.analysis import platforms, pricing
+    from trn_accum.analysis import pricing
+
+    coef = plat.efficiency.coefficients(plat.peak_flops, plat.hbm_bytes_s)
+    a = np.array([[r["features"].get(f, 0.0) for f in free] for r in rows], dtype=float)
+    fixed = [f for f in pricing.FEATURES if f not in free]
+    b = np.array(
+        [
+            r["measured_s"]
+            - (1.0 - plat.overlap) * r["comm_predicted_s"]
+            - sum(r["features"].get(f, 0.0) * coef[f] for f in fixed)
+            for r in rows
+        ]
+    )
+    scale = a.max(axis=0)
+    scale[scale == 0] = 1.0
+    x, _ = nnls(a / scale, b)
+    coef.update({f: float(v / s) for f, v, s in zip(free, x, scale, strict=True)})
+    got = pricing.Efficiency.from_coefficients(coef, plat.peak_flops, plat.hbm_bytes_s)
+    keep = ("tile", "source", "rates", "onchip_bytes")
+    return dataclasses.replace(got, **{k: getattr(plat.efficiency, k) for k in keep})
+
+
+def fit(table: dict, platform_name: str, free: list[str]) -> None:
+    """Print the constants of `platform_name` fitted on its "fitted" rows (stored features):
+    the `free` efficiencies (`fitted_efficiency`), or with free = ["overlap"] the overlap. Put
+    them in platforms.py, then `--reprice`."""
+    from trn_accum.analysis import platforms
 
     plat = platforms.get(platform_name)
     fitted = [r for r in table["rows"] if r["platform"] == platform_name and r["role"] == "fitted"]
@@ -178,27 +205,12 @@ def fit(table: dict, platform_name: str, free: list[str]) -> None:
     if free == ["overlap"]:
         print(f"{platform_name}: overlap={_fit_overlap(fitted, plat):.4g}")
         return
-    coef = plat.efficiency.coefficients(plat.peak_flops, plat.hbm_bytes_s)
-    a = np.array([[r["features"].get(f, 0.0) for f in free] for r in fitted], dtype=float)
-    fixed = [f for f in pricing.FEATURES if f not in free]
-    b = np.array(
-        [
-            r["measured_s"]
-            - (1.0 - plat.overlap) * r["comm_predicted_s"]
-            - sum(r["features"][f] * coef[f] for f in fixed)
-            for r in fitted
-        ]
-    )
-    scale = a.max(axis=0)
-    scale[scale == 0] = 1.0
-    x, _ = nnls(a / scale, b)
-    coef.update({f: float(v / s) for f, v, s in zip(free, x, scale, strict=True)})
-    eff = pricing.Efficiency.from_coefficients(coef, plat.peak_flops, plat.hbm_bytes_s)
+    eff = fitted_efficiency(fitted, plat, free)
     print(
         f"{platform_name}: Efficiency(dot={eff.dot:.4g}, memory={eff.memory:.4g}, "
         f"elementwise={eff.elementwise:.4g}, loop_elementwise={eff.loop_elementwise:.4g}, "
         f"kernel_s={eff.kernel_s:.4g}, "
-        f"loop_iter_s={eff.loop_iter_s:.4g})"
+        f"loop_iter_s={eff.loop_iter_s:.4g}, offchip_elementwise={eff.offchip_elementwise:.4g})"
     )
 
 
@@ -226,6 +238,7 @@ def step_s(row: dict, plat, alt: dict | None = None) -> float:
             dot=alt["dot"],
             elementwise=eff.elementwise * alt["elementwise"],
             loop_elementwise=eff.loop_elementwise * alt["elementwise"],
+            offchip_elementwise=eff.offchip_elementwise * alt["elementwise"],
             loop_iter_s=alt["loop_iteration_us"] * 1e-6,
         )
         comm, overlap = comm * alt["comm"], alt["overlap"]
@@ -364,7 +377,7 @@ def refresh_features(table: dict, platform_name: str) -> None:
         if r["platform"] != platform_name:
             continue
         module = lowered_module(r)
-        f = pricing.op_features(module, eff.tile, eff.rates)
+        f = pricing.op_features(module, eff.tile, eff.rates, eff.onchip_bytes)
         r["features"] = {k: f[k] for k in pricing.FEATURES}
         r["roofline_groups"] = roofline.aggregate(roofline.fusions(module, eff.tile))
         print(f"{r['name']:<60} features stored", flush=True)

@@ -130,3 +130,31 @@ def test_the_roofline_check_needs_measured_rates_and_reads_the_stored_kernels(ca
     lines = capsys.readouterr().out.splitlines()
     stored = [r for r in ROWS if r["platform"] == "tpu-v5e" and "roofline_groups" in r]
     assert len(lines) == len(stored) + 1 and lines[-1].startswith(f"{len(stored)} rows")
+
+
+def test_the_onchip_split_check_fits_on_the_fitting_rows_and_scores_the_others():
+    """benchmarks/onchip_split.py: each row repriced at the on-chip size asked, the rates fitted
+    on the rows `fitting` picks, errors for the others only; a held-out row with the fitted
+    row's program and step is predicted exactly at any size, one twice as slow at -50 %."""
+    import math
+
+    from test_pricing import TEXT
+
+    from benchmarks import onchip_split
+    from trn_accum.analysis import platforms
+    from trn_accum.analysis.hlo import parse_hlo
+
+    module = parse_hlo(TEXT)
+    row = {"module": module, "measured_s": 1e-3, "comm_predicted_s": 0.0}
+    rows = [
+        {**row, "name": "fit"},
+        {**row, "name": "same"},
+        {**row, "name": "slow", "measured_s": 2e-3},
+    ]
+    plat = platforms.get("tpu-v5e")
+    for onchip in (math.inf, 1.0, 64.0):
+        got = onchip_split.held_out(rows, plat, onchip, lambda r: r["name"] == "fit")
+        assert set(got["errors"]) == {"same", "slow"}
+        assert got["errors"]["same"] == pytest.approx(0.0, abs=0.01)
+        assert got["errors"]["slow"] == pytest.approx(-50.0, abs=0.01)
+        assert got["efficiency"].onchip_bytes == onchip

@@ -1,5 +1,7 @@
 """Op pricing of a partitioned module (trn_accum.analysis.pricing) and the platform table."""
 
+import dataclasses
+
 import pytest
 
 from trn_accum.analysis import platforms, pricing
@@ -62,6 +64,39 @@ def test_features_of_a_loop_read_its_trip_count_from_the_condition():
     assert f["elementwise_bytes"] == 0
     assert f["kernels"] == 3 * 2  # the dot and the reduce
     assert f["loop_iterations"] == 3 and f["unknown_trips"] == 0
+    # no on-chip size stated: no result counts as off chip
+    assert f["offchip_elementwise_bytes"] == 0
+
+
+def test_offchip_bytes_are_the_elementwise_results_too_large_for_the_on_chip_memory():
+    """Of the loop's elementwise results (the f32 [100, 300] add, 120,000 B; the s32 counter
+    add and the compare), only those at least as large as the on-chip memory count, as many
+    times as they run; the dot and the reduce are no elementwise ops however large."""
+    module = parse_hlo(TEXT)
+    add = 100 * 300 * 4
+    for onchip, offchip in ((add + 1, 0), (add, 3 * add), (4, 3 * (add + 4)), (1, 3 * (add + 5))):
+        f = pricing.op_features(module, tile=128, onchip_bytes=onchip)
+        assert f["offchip_elementwise_bytes"] == offchip, onchip
+        assert f["loop_elementwise_bytes"] == 3 * (add + 4 + 1)  # the others unchanged
+
+
+def test_the_tpu_prices_offchip_bytes_and_trainium_states_no_on_chip_size():
+    """The TPU v5e's off-chip extra is fitted at its 128 MiB of VMEM (platforms.py); trn2 and
+    trn1 state no on-chip size, so their steps carry no off-chip bytes and no extra price."""
+    v5e = platforms.get("tpu-v5e").efficiency
+    assert v5e.onchip_bytes == 128 * 2**20
+    assert 0 < v5e.coefficients(197e12, 819e9)["offchip_elementwise_bytes"] < 1
+    for name in ("trn2", "trn1"):
+        plat = platforms.get(name)
+        eff = plat.efficiency
+        assert eff.onchip_bytes == float("inf")
+        assert eff.coefficients(plat.peak_flops, plat.hbm_bytes_s)["offchip_elementwise_bytes"] == 0
+        assert (
+            pricing.op_features(parse_hlo(TEXT), onchip_bytes=eff.onchip_bytes)[
+                "offchip_elementwise_bytes"
+            ]
+            == 0
+        )
 
 
 def test_price_is_linear_in_the_inverse_efficiencies():
@@ -84,6 +119,13 @@ def test_price_is_linear_in_the_inverse_efficiencies():
     assert got["total_s"] == pytest.approx(4 + 2 + 16 + 1 + 1e-3 + 1e-3)
     back = pricing.Efficiency.from_coefficients(eff.coefficients(1e12, 1e9), 1e12, 1e9)
     assert back.dot == pytest.approx(0.5) and back.elementwise == pytest.approx(0.25)
+    # the off-chip extra: free by default, priced and recovered when stated
+    feats["offchip_elementwise_bytes"] = 1e9
+    assert pricing.price(feats, 1e12, 1e9, eff)["offchip_elementwise_bytes_s"] == 0
+    eff = dataclasses.replace(eff, offchip_elementwise=0.5)
+    assert pricing.price(feats, 1e12, 1e9, eff)["offchip_elementwise_bytes_s"] == pytest.approx(2)
+    back = pricing.Efficiency.from_coefficients(eff.coefficients(1e12, 1e9), 1e12, 1e9)
+    assert back.offchip_elementwise == pytest.approx(0.5)
 
 
 def test_platform_table():

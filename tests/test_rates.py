@@ -205,3 +205,46 @@ def test_the_compilers_kernels_are_summed_by_kind():
     assert got["kOutput"] == 64 * 128 * 2 + 128 * 256 * 2 + out
     assert got["kLoop"] == 2 * out
     assert got["async"] == (out + 2 * out + 4) + (2 * out + 4 + out)
+
+
+IN_PLACE = """HloModule u, num_partitions=1
+
+%fused_upd (b: f32[1024,128], u: f32[64,128], i: s32[]) -> f32[1024,128] {
+  %b = f32[1024,128]{1,0} parameter(0)
+  %u = f32[64,128]{1,0} parameter(1)
+  %e = f32[64,128]{1,0} exponential(%u)
+  %i = s32[] parameter(2)
+  %z = s32[] constant(0)
+  ROOT %r = f32[1024,128]{1,0} dynamic-update-slice(%b, %e, %i, %z)
+}
+
+ENTRY %main {
+  %buf = f32[1024,128]{1,0} parameter(0)
+  %upd = f32[64,128]{1,0:T(8,128)S(1)} parameter(1)
+  %i = s32[] parameter(2)
+  %f = f32[1024,128]{1,0} fusion(%buf, %upd, %i), kind=kLoop, calls=%fused_upd
+  %z = s32[] constant(0)
+  ROOT %d = f32[1024,128]{1,0} dynamic-update-slice(%f, %upd, %i, %z)
+}
+"""
+
+
+def test_a_dynamic_update_moves_its_update_and_bytes_are_placed_by_memory_space():
+    """benchmarks/tpu_fusions.py: a dynamic update, bare or a fusion's root, is done in place
+    (the 512 KiB buffer is neither read nor written whole); an array laid out in S(1) is in
+    the core's vector memory."""
+    from benchmarks import tpu_fusions
+
+    module = parse_hlo(IN_PLACE)
+    upd = 64 * 128 * 4
+    assert tpu_fusions.space_bytes("f32[64,128]{1,0:T(8,128)S(1)}") == (0, upd)
+    assert tpu_fusions.space_bytes("(f32[64,128]{1,0}, s32[])") == (upd + 4, 0)
+    fused, bare = (module.instruction(n) for n in ("f", "d"))
+    # the fusion reads the update (VMEM) and the index, writes its exp'd update (HBM)
+    assert tpu_fusions.moved_bytes(module, fused) == (4 + upd, upd)
+    # the bare update reads the update (VMEM) and two indices, writes the update's bytes into
+    # its buffer (HBM)
+    assert tpu_fusions.moved_bytes(module, bare) == (8 + upd, upd)
+    got = tpu_fusions.bytes_by_kind(module)
+    assert got["kLoop"] == 4 + 2 * upd and got["kLoop vmem"] == upd
+    assert got["dynamic-update-slice"] == 8 + 2 * upd

@@ -135,14 +135,21 @@ TPU_V5E_RATES = Rates(
 # (benchmarks/calibrate.py --fit tpu-v5e --free elementwise_bytes,loop_elementwise_bytes, on the
 # rows marked fitted in benchmarks/calibration.json): multiples of the HBM bandwidth on the
 # unfused result bytes, above 1 where fusion keeps bytes from HBM.
+# The v5e core's vector memory (VMEM), where its compiler keeps buffers between kernels
+# (memory space S(1) in the compiled HLO): 128 MiB ("How to Think About TPUs", the JAX scaling
+# book, https://jax-ml.github.io/scaling-book/tpus/; memory spaces:
+# https://openxla.org/xla/shapes#memory_space_identifiers).
+TPU_V5E_VMEM_BYTES = 128 * 2**20
 TPU_V5E_EFFICIENCY = Efficiency(
     dot=1.0,
     memory=math.inf,
-    elementwise=4.734,
-    loop_elementwise=2.225,
+    elementwise=19.37,
+    loop_elementwise=3.593,
     kernel_s=0.0,
     loop_iter_s=TPU_V5E_RATES.loop_iter_s,
     rates=TPU_V5E_RATES,
+    onchip_bytes=TPU_V5E_VMEM_BYTES,
+    offchip_elementwise=3.354,
     source="dots, unfused kernels and loops measured on a TPU v5e (TPU_V5E_RATES); elementwise "
     "rates fitted on the TPU v5e rows marked fitted in benchmarks/calibration.json",
 )

@@ -34,7 +34,16 @@ features (`op_features`), per device and step (the partitioner's sharding names,
 - `unfused_kernel_bytes`: the bytes of the kernel ops that no backend fuses (gathers,
   scatters, dynamic updates, sorts, custom calls; not the slices, transposes and
   concatenations a fusion reads through, `trn_accum.analysis.live_bytes.FUSIBLE`), for
-  pricing at the measured bandwidth.
+  pricing at the measured bandwidth;
+- `offchip_elementwise_bytes`: of the elementwise result bytes above (in and out of loops),
+  those of results at least as large as the core's on-chip memory (`Efficiency.onchip_bytes`;
+  0 where a platform states none), which no compiler can keep on chip between kernels. A
+  TPU's compiler places buffers that fit in the core's vector memory (VMEM, memory space
+  S(1) in its HLO): in the TPU v5e's compiled step of the 4-layer proxy at seq 8192 (k 2,
+  blockwise 1024) each f32 [24, 1024, 1024] score block (96 MiB) is in S(1), and at k 1 the
+  [2, 24, 1024, 1024] blocks (192 MiB) are not, and that step ran 24 % slower on the chip for
+  the same counted work (`benchmarks/tpu_fusions.py` prints each row's bytes by memory
+  space). Priced as an extra per byte (`Efficiency.offchip_elementwise`), fitted.
 
 A platform with measured `Rates` (`Efficiency.rates`) prices its dots by `dot_shaped_flops` at
 peak and its kernels by `unfused_kernel_bytes` at the measured share of the bandwidth, neither
@@ -44,7 +53,8 @@ elementwise rates stay fitted (the fusion they fold in is what the roofline chec
 
 `price(features, peak, hbm, eff)`: seconds = dot_flops / (peak x dot) + kernel_bytes / (hbm x
 memory) + elementwise_bytes / (hbm x elementwise) + loop_elementwise_bytes / (hbm x
-loop_elementwise) + kernels x kernel_s + loop_iterations x loop_iter_s (with rates:
+loop_elementwise) + offchip_elementwise_bytes / (hbm x offchip_elementwise) + kernels x
+kernel_s + loop_iterations x loop_iter_s (with rates:
 dot_shaped_flops / peak and unfused_kernel_bytes / (hbm x bandwidth) in place of the first
 two), linear in the inverse efficiencies, which is what lets `benchmarks/calibrate.py` fit them
 by non-negative least squares on measured steps. Collectives are not priced here
@@ -89,6 +99,7 @@ FEATURES = (
     "loop_iterations",
     "dot_shaped_flops",
     "unfused_kernel_bytes",
+    "offchip_elementwise_bytes",
 )
 
 #: Ops that compute nothing at run time (layout, bookkeeping, control).
@@ -146,7 +157,10 @@ class Efficiency:
     bandwidth on kernel bytes, `elementwise` / `loop_elementwise` of it on elementwise result
     bytes outside / inside loops, seconds per
     kernel launch and per loop iteration; `tile`: the matrix unit's side; `source`: where the
-    values come from (fitted rows or a document)."""
+    values come from (fitted rows or a document); `onchip_bytes`: the core's on-chip memory
+    for buffers (inf: not stated, no result counts as off chip) and `offchip_elementwise`: the
+    extra price of an elementwise result byte that does not fit in it, as a multiple of the HBM
+    bandwidth (inf: no extra)."""
 
     dot: float
     memory: float
@@ -157,6 +171,8 @@ class Efficiency:
     tile: int = 128
     source: str = ""
     rates: Rates | None = None
+    onchip_bytes: float = math.inf
+    offchip_elementwise: float = math.inf
 
     def coefficients(self, peak_flops: float, hbm_bytes_s: float) -> dict[str, float]:
         """Seconds per unit of each of `FEATURES` (see the module docstring for `rates`)."""
@@ -170,6 +186,7 @@ class Efficiency:
             "loop_iterations": self.loop_iter_s,
             "dot_shaped_flops": 1.0 / peak_flops if r else 0.0,
             "unfused_kernel_bytes": 1.0 / (hbm_bytes_s * r.bandwidth) if r else 0.0,
+            "offchip_elementwise_bytes": 1.0 / (hbm_bytes_s * self.offchip_elementwise),
         }
 
     @classmethod
@@ -188,6 +205,7 @@ class Efficiency:
             loop_elementwise=inv(c["loop_elementwise_bytes"], hbm_bytes_s),
             kernel_s=c["kernels"],
             loop_iter_s=c["loop_iterations"],
+            offchip_elementwise=inv(c.get("offchip_elementwise_bytes", 0.0), hbm_bytes_s),
             **kw,
         )
 
@@ -250,10 +268,15 @@ def applied_computations(module: HloModule) -> frozenset[str]:
     return frozenset(module.reachable_from(*names)) if names else frozenset()
 
 
-def op_features(module: HloModule, tile: int = 128, rates: Rates | None = None) -> dict[str, float]:
+def op_features(
+    module: HloModule,
+    tile: int = 128,
+    rates: Rates | None = None,
+    onchip_bytes: float = math.inf,
+) -> dict[str, float]:
     """The `FEATURES` of one step of `module` per device (see the module docstring;
-    `dot_shaped_flops` 0 without `rates`); plus "unknown_trips": ops in loops of unknown trip
-    count (counted once)."""
+    `dot_shaped_flops` 0 without `rates`, `offchip_elementwise_bytes` 0 without
+    `onchip_bytes`); plus "unknown_trips": ops in loops of unknown trip count (counted once)."""
     out = dict.fromkeys(FEATURES, 0.0)
     unknown = 0
     inner = applied_computations(module)
@@ -287,6 +310,8 @@ def op_features(module: HloModule, tile: int = 128, rates: Rates | None = None) 
         else:
             key = "loop_elementwise_bytes" if module.in_loop(ins) else "elementwise_bytes"
             out[key] += mult * ins.result_bytes
+            if ins.result_bytes >= onchip_bytes:
+                out["offchip_elementwise_bytes"] += mult * ins.result_bytes
         if op in KERNEL_OPS:
             out["kernels"] += mult
     out["unknown_trips"] = unknown

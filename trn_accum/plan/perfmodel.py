@@ -193,7 +193,8 @@ def predict(
         mem[d] = total
         costs = steptime.collective_costs(module, compiled_shape, target, layout)
         comm_achieved = steptime.collective_costs(module, compiled_shape, target, achieved)
-        features = pricing.op_features(module, plat.efficiency.tile, plat.efficiency.rates)
+        eff = plat.efficiency
+        features = pricing.op_features(module, eff.tile, eff.rates, eff.onchip_bytes)
         ops = {
             **features,
             **pricing.price(features, plat.peak_flops, plat.hbm_bytes_s, plat.efficiency),
