@@ -164,7 +164,8 @@ def _fit_overlap(rows: list[dict], plat) -> float:
 def fitted_efficiency(rows: list[dict], plat, free: list[str]):
     """`plat`'s efficiency with the `free` features' coefficients solved by non-negative least
     squares on `rows`' stored features and measurements (with the platform's overlap: the rows'
-    ops taken as the longer of ops and collectives when overlap is 1); the rest kept."""
+    ops taken as the longer of ops and collectives when overlap is 1); the rest kept. A free
+    item "a+b" is one coefficient shared by features a and b (their sum is its column)."""
     import dataclasses
 
     import numpy as np
@@ -173,8 +174,11 @@ def fitted_efficiency(rows: list[dict], plat, free: list[str]):
     from trn_accum.analysis import pricing
 
     coef = plat.efficiency.coefficients(plat.peak_flops, plat.hbm_bytes_s)
-    a = np.array([[r["features"].get(f, 0.0) for f in free] for r in rows], dtype=float)
-    fixed = [f for f in pricing.FEATURES if f not in free]
+    groups = [item.split("+") for item in free]
+    a = np.array(
+        [[sum(r["features"].get(f, 0.0) for f in g) for g in groups] for r in rows], dtype=float
+    )
+    fixed = [f for f in pricing.FEATURES if not any(f in g for g in groups)]
     b = np.array(
         [
             r["measured_s"]
@@ -186,7 +190,8 @@ def fitted_efficiency(rows: list[dict], plat, free: list[str]):
     scale = a.max(axis=0)
     scale[scale == 0] = 1.0
     x, _ = nnls(a / scale, b)
-    coef.update({f: float(v / s) for f, v, s in zip(free, x, scale, strict=True)})
+    for g, v, sc in zip(groups, x, scale, strict=True):
+        coef.update(dict.fromkeys(g, float(v / sc)))
     got = pricing.Efficiency.from_coefficients(coef, plat.peak_flops, plat.hbm_bytes_s)
     keep = ("tile", "source", "rates", "onchip_bytes")
     return dataclasses.replace(got, **{k: getattr(plat.efficiency, k) for k in keep})

@@ -158,3 +158,24 @@ def test_the_onchip_split_check_fits_on_the_fitting_rows_and_scores_the_others()
         assert got["errors"]["same"] == pytest.approx(0.0, abs=0.01)
         assert got["errors"]["slow"] == pytest.approx(-50.0, abs=0.01)
         assert got["efficiency"].onchip_bytes == onchip
+
+
+def test_the_tpu_constants_are_the_fit_of_the_rows_marked_fitted():
+    """platforms.py's TPU v5e elementwise rate (one, in and out of loops) and off-chip extra are
+    what `calibrate.py --fit tpu-v5e --free elementwise_bytes+loop_elementwise_bytes,
+    offchip_elementwise_bytes` solves on the stored features of the rows marked fitted; the
+    rows measured on 2026-12-07 are the predicted ones."""
+    from trn_accum.analysis import platforms
+
+    calibrate = _calibrate()
+    plat = platforms.get("tpu-v5e")
+    tpu = [r for r in ROWS if r["platform"] == "tpu-v5e"]
+    fitted = [r for r in tpu if r["role"] == "fitted"]
+    assert {r["role"] for r in tpu if "2026-12-07" in r["measured_source"]} == {"predicted"}
+    assert {r["role"] for r in tpu if "2026-12-07" not in r["measured_source"]} == {"fitted"}
+    free = ["elementwise_bytes+loop_elementwise_bytes", "offchip_elementwise_bytes"]
+    got = calibrate.fitted_efficiency(fitted, plat, free)
+    assert got.elementwise == got.loop_elementwise
+    for k in ("elementwise", "loop_elementwise", "offchip_elementwise"):
+        assert getattr(got, k) == pytest.approx(getattr(plat.efficiency, k), rel=1e-3), k
+    assert got.onchip_bytes == plat.efficiency.onchip_bytes

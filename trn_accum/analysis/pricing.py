@@ -24,7 +24,8 @@ features (`op_features`), per device and step (the partitioner's sharding names,
   the HBM bandwidth that fold the fusion in (above 1: fewer bytes reach HBM than the unfused
   ops write). Apart because fusion differs: straight-line code (the optimizer update, a step
   without accumulation loop) fuses long chains, a loop body (the accumulation, blockwise
-  attention, loss chunks) only within one iteration;
+  attention, loss chunks) only within one iteration (the TPU v5e prices both at one rate:
+  `trn_accum.analysis.platforms` says why);
 - `kernels`: launches of ops that are kernels of their own (dots, reductions, gathers,
   scatters, dynamic slices, sorts, custom calls), each a fixed cost (`Efficiency.kernel_s`);
 - `loop_iterations`: `while` iterations, each a fixed cost (`Efficiency.loop_iter_s`);
