@@ -14,9 +14,10 @@ caller (`trn_accum.plan.perfmodel` compiles them).
 `recommend` picks, among the candidates that fit at the chosen node count, the lowest
 predicted step time (`predicted_step_s`; ties: the no-overlap floor), then trades up to
 `HEADROOM_BAND` of that time for memory: the largest k (same mesh and reduce) within the band
-wins, because no fit check on CPU is trn2's allocator (the 3B dry-run's CPU-compiled
-temporaries are 3.5x its analytic activations at k=4), and a run that does not fit fails only
-after its long compile. It says why in terms of the candidates it beats that differ in one
+wins, because no fit check on CPU is the target's allocator (the 3B dry-run's CPU-compiled
+temporaries are 3.5x its analytic activations at k=4; on a TPU v5e the estimate said "fits"
+for two 6-layer steps its compiler refused, docs/dry-run.md), and a run that does not fit
+fails only after its long compile. It says why in terms of the candidates it beats that differ in one
 choice (bytes over EFA / NeuronLink, step time).
 """
 
@@ -122,7 +123,7 @@ def recommend(rows: Sequence[Mapping[str, Any]], nodes: int) -> dict[str, Any] |
         reasons.append(
             f"k = {b.k} over {f.k} for memory headroom: step {sort_key(best)[0]:.3f} s "
             f"vs {sort_key(fastest)[0]:.3f} s (predicted), within "
-            f"{HEADROOM_BAND:.0%}; no CPU fit check is trn2's allocator"
+            f"{HEADROOM_BAND:.0%}; no CPU fit check is the target's allocator"
         )
     pool = [r for r in pool if r is not best]
     pool.insert(0, best)
