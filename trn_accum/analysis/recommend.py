@@ -17,8 +17,8 @@ predicted step time (`predicted_step_s`; ties: the no-overlap floor), then trade
 wins, because no fit check on CPU is the target's allocator (the 3B dry-run's CPU-compiled
 temporaries are 3.5x its analytic activations at k=4; on a TPU v5e the estimate said "fits"
 for two 6-layer steps its compiler refused, docs/dry-run.md), and a run that does not fit
-fails only after its long compile. It says why in terms of the candidates it beats that differ in one
-choice (bytes over EFA / NeuronLink, step time).
+fails only after its long compile. It says why in terms of the candidates it beats that
+differ in one choice (bytes over EFA / NeuronLink, step time).
 """
 
 from __future__ import annotations
