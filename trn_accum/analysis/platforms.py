@@ -131,7 +131,7 @@ TPU_V5E_RATES = Rates(
 
 # The TPU v5e's prices: dots at the measured efficiency of their shape, the kernels no backend
 # fuses at the measured bandwidth, loop iterations at their measured cost (TPU_V5E_RATES;
-# `dot` and `memory` are not used with rates); two elementwise rates fitted
+# `dot` and `memory` are not used with rates); two elementwise constants fitted
 # (benchmarks/calibrate.py --fit tpu-v5e --free
 # elementwise_bytes+loop_elementwise_bytes,offchip_elementwise_bytes, on the rows marked fitted
 # in benchmarks/calibration.json): one for elementwise result bytes in and out of loops (a

@@ -41,9 +41,9 @@ features (`op_features`), per device and step (the partitioner's sharding names,
   0 where a platform states none), which no compiler can keep on chip between kernels. A
   TPU's compiler places buffers that fit in the core's vector memory (VMEM, memory space
   S(1) in its HLO): in the TPU v5e's compiled step of the 4-layer proxy at seq 8192 (k 2,
-  blockwise 1024) each f32 [24, 1024, 1024] score block (96 MiB) is in S(1), and at k 1 the
-  [2, 24, 1024, 1024] blocks (192 MiB) are not, and that step ran 24 % slower on the chip for
-  the same counted work (`benchmarks/tpu_fusions.py` prints each row's bytes by memory
+  blockwise 1024) 48 of the 140 f32 [24, 1024, 1024] score blocks (96 MiB) are in S(1), and
+  at k 1 none of the [2, 24, 1024, 1024] blocks (192 MiB) is; that step ran 24 % slower on
+  the chip for the same counted work (`benchmarks/tpu_fusions.py` prints each row's bytes by memory
   space). Priced as an extra per byte (`Efficiency.offchip_elementwise`), fitted.
 
 A platform with measured `Rates` (`Efficiency.rates`) prices its dots by `dot_shaped_flops` at
