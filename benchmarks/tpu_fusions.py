@@ -137,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     from trn_accum.analysis import platforms
     from trn_accum.analysis.hlo import parse_hlo
 
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.calibrate import error_pct
+
     p = argparse.ArgumentParser(prog="python benchmarks/tpu_fusions.py")
     p.add_argument("names", nargs="+", metavar="NAME")
     p.add_argument("--hlo-dir", default=None, help="write each compiled module here")
@@ -158,8 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         rest = sum(kinds[k] for k in priced if not k.endswith(" vmem"))
         vmem = sum(kinds[k] for k in priced if k.endswith(" vmem"))
         step, no_vmem = dots + rest / bw, dots + (rest - vmem) / bw
-        err = 100 * (step - row["measured_s"]) / row["measured_s"]
-        err_free = 100 * (no_vmem - row["measured_s"]) / row["measured_s"]
+        err, err_free = (error_pct(t, row["measured_s"]) for t in (step, no_vmem))
         by = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in sorted(kinds.items(), key=lambda x: -x[1]))
         print(
             f"{name}: measured {row['measured_s']:.4f} s; dots {dots:.4f} s + {rest / 1e9:.1f} GB "
