@@ -20,7 +20,15 @@ instructions, the one that frees the most bytes net of what it allocates):
   is dead); loop state XLA takes out of a loop has no buffer: an element the body only hands
   back and nothing reads, a broadcast of a constant the body only hands back (constant
   sinking), any initial broadcast of a loop that runs once (the loop is inlined; a zero
-  accumulator fuses into its first sum); a conditional adds its largest branch's peak.
+  accumulator fuses into its first sum); a conditional adds its largest branch's peak;
+- work a loop body does on loop state it hands back unchanged is done once, before the loop
+  (`trn_accum.analysis.loop_invariant`: XLA's loop-invariant code motion), and its results
+  that work left in the loop reads live through the whole loop (a k > 1 step holds the
+  bfloat16 copy of the weights through its accumulation loop);
+- calls are inlined first (`trn_accum.analysis.fusion`): what a `call` reads is read by what
+  its callee does with it, and an element of a callee's result tuple by what the caller does
+  with it (a `jnp.where`'s mask fuses into its select; a forward's elementwise residual into
+  the backward's dots that read it).
 
 It is an estimate, not a schedule: a compiler may reorder, rematerialize or keep more. It is
 checked against the TPU compiler's own figure (benchmarks/target_memory.py, docs/dry-run.md).
@@ -33,23 +41,23 @@ import functools
 import re
 from collections.abc import Mapping, Sequence
 
+from trn_accum.analysis import loop_invariant as licm
+from trn_accum.analysis.fusion import (
+    CONSUMERS,
+    FUSIBLE,
+    add_root_readers,
+    call_result_readers,
+    fused_into_users,
+    reader_opcodes,
+)
 from trn_accum.analysis.hlo import HloModule, parse_hlo
 from trn_accum.analysis.hlo_ir import Computation, Instruction
 from trn_accum.analysis.hlo_text import parse_type, split_top_level
 
-__all__ = ["CONSUMERS", "FUSIBLE", "donated_parameters", "fused_into_users", "peak_live_bytes"]
+__all__ = ["donated_parameters", "peak_live_bytes"]
 
 _ALIAS = frozenset({"tuple", "get-tuple-element", "bitcast", "reshape", "opt-barrier"})
-FUSIBLE = frozenset(
-    """abs add and atan2 broadcast cbrt ceil clamp compare concatenate constant convert cosine
-    divide dynamic-slice erf exponential exponential-minus-one floor iota is-finite log
-    log-plus-one logistic maximum minimum multiply negate not or pad power reduce-precision
-    remainder reverse round-nearest-afz round-nearest-even rsqrt select sign sine slice sqrt
-    subtract tan tanh transpose xor bitcast-convert shift-left shift-right-arithmetic
-    shift-right-logical""".split()
-)
 _SINKABLE = frozenset({"broadcast", "constant", "iota"})
-CONSUMERS = FUSIBLE | {"reduce", "dot", "dynamic-update-slice", "reshape", "bitcast"}
 
 
 def donated_parameters(module: HloModule) -> frozenset[int]:
@@ -75,6 +83,7 @@ class _Walker:
         self.peak = functools.cache(self._peak)
         self.invariant = functools.cache(self._invariant)
         self.runs_once = functools.cache(self._runs_once)
+        self.users = functools.partial(reader_opcodes, module, memo={})
 
     def _find(self, name: str) -> Instruction | None:
         try:
@@ -108,19 +117,26 @@ class _Walker:
         arity = len(root.operands)
         return frozenset(carried), frozenset(_read(comp, param, arity) & carried)
 
-    def _peak(self, name: str, freeable: frozenset[int] | bool):
+    def _peak(self, name: str, freeable: frozenset[int] | bool, hoists: bool = False):
         """(peak bytes including the parameters, parameter bytes) of computation `name`.
-        `freeable`: parameter numbers freed after their last use (True: all)."""
+        `freeable`: parameter numbers freed after their last use (True: all). `hoists`: `name`
+        is the body of a loop that runs more than once, whose invariant work is hoisted."""
         comp = self.module.computations[name]
-        return _Sweep(self, comp, freeable).run()
+        carried = self.invariant(name)[0] if hoists else None
+        return _Sweep(self, comp, freeable, carried).run()
 
 
 class _Sweep:
     """One pass over one computation, calls inlined (XLA inlines them before fusing): buffers,
     their lives, and each step's extra peak (a loop body's)."""
 
-    def __init__(self, walker: _Walker, comp: Computation, freeable):
+    def __init__(self, walker: _Walker, comp: Computation, freeable, carried=None):
         self.walker, self.comp, self.freeable = walker, comp, freeable
+        self.carried = carried  # a loop body's unchanged state elements; None: no hoisting
+        self.keys = licm.Keys()
+        self.hoisted: dict[int, frozenset] = {}  # a hoisted result's key -> its value
+        self.hoisted_fusible: dict[int, bool] = {}  # its buffers -> fused where only hoisted
+        self.read_in_loop: set[int] = set()  # buffers read by work left in the loop
         self.size: list[int] = []
         self.born: list[int] = []
         self.last: list[int] = []
@@ -132,8 +148,14 @@ class _Sweep:
         self._opcode = ""
 
     def run(self) -> tuple[int, int]:
-        root = self._inline(self.comp, None, ())
+        root, _ = self._inline(self.comp, None, ())
         self.pinned.update(_leaves(root))
+        for b, fusible in self.hoisted_fusible.items():
+            if b in self.read_in_loop:  # an input of the loop: live all through it
+                self.born[b] = 0
+                self.pinned.add(b)
+            elif fusible:  # fused into the hoisted work that reads it
+                self.size[b] = 0
         n = len(self.extra)
         delta = [0] * (n + 1)
         for b, s in enumerate(self.size):
@@ -146,24 +168,34 @@ class _Sweep:
             peak = max(peak, live + self.extra[i])
         return peak, self.param_bytes
 
-    def _inline(self, comp: Computation, args: Sequence | None, root_users: Sequence[str]):
-        """Walk `comp` (its parameters bound to `args`; None: this sweep's own parameters);
-        returns its root's value. `root_users`: the opcodes that use the root (the call's)."""
+    def _inline(self, comp: Computation, args, root_users: Sequence[str], args_inv=None):
+        """Walk `comp` (its parameters bound to `args`, of invariance `args_inv`; None: this
+        sweep's own parameters); returns its root's (value, invariance). `root_users`: the
+        opcodes that use the root (the call's)."""
         values: dict[str, object] = {}
-        users: dict[str, list[str]] = {}
-        for ins in comp.instructions:
-            for op in ins.operands:
-                users.setdefault(op.split("#")[0], []).append(ins.opcode)
+        invs: dict[str, object] = {}
+        sizes = {x.name: x.result_bytes for x in comp.instructions}
+        users = self.walker.users(comp.name)
         root = comp.root
         if root is not None:
-            users.setdefault(root.name, []).extend(root_users)
-        for ins in _schedule(comp):
-            ops = [] if ins.opcode == "constant" else [_lookup(values, o) for o in ins.operands]
+            users = add_root_readers(users, root, root_users)
+        for ins in _schedule(comp, users):
+            names = [] if ins.opcode == "constant" else ins.operands
+            ops = [_lookup(values, o) for o in names]
+            inv = self._invariance(ins, [_lookup(invs, o) for o in names], args_inv, sizes)
+            invs[ins.name] = inv
+            hoisted = self.carried is not None and licm.is_hoisted(ins, inv)
+            if hoisted and inv[1] in self.hoisted:  # the same work, hoisted once
+                values[ins.name] = self.hoisted[inv[1]]
+                continue
             i = len(self.extra)
             self.extra.append(0)
             for v in ops:
                 for b in _leaves(v):
                     self.last[b] = max(self.last[b], i)
+                    if not hoisted:
+                        self.read_in_loop.add(b)
+            fused = bool(users.get(ins.name)) and set(users[ins.name]) <= CONSUMERS
             if ins.opcode == "parameter" and args is not None:
                 values[ins.name] = args[int(ins.operand_text.strip() or 0)]
             elif ins.opcode == "while":
@@ -171,12 +203,36 @@ class _Sweep:
                 values[ins.name], self.extra[i] = self._value(ins, ops, i, False)
             elif ins.opcode == "call":
                 callee = self.walker.module.computations[ins.attr("to_apply").lstrip("%")]
-                values[ins.name] = self._inline(callee, ops, users.get(ins.name, []))
+                values[ins.name], invs[ins.name] = self._inline(
+                    callee,
+                    ops,
+                    call_result_readers(comp, ins, users),
+                    [_lookup(invs, o) for o in names],
+                )
+            elif hoisted:  # a result of its own before the loop
+                self._opcode = ins.opcode
+                values[ins.name] = self.hoisted[inv[1]] = self._new(ins.type_text, i)
+                for b in values[ins.name]:
+                    self.hoisted_fusible[b] = fused and ins.opcode in FUSIBLE
             else:
-                fused = ins is not root or args is not None
-                fused = fused and bool(users.get(ins.name)) and set(users[ins.name]) <= CONSUMERS
+                fused = fused and (ins is not root or args is not None)
                 values[ins.name], self.extra[i] = self._value(ins, ops, i, fused)
-        return values[root.name] if root is not None else frozenset()
+        if root is None:
+            return frozenset(), None
+        return values[root.name], invs[root.name]
+
+    def _invariance(self, ins: Instruction, operands: list, args_inv, sizes: dict):
+        """`licm.invariance` of `ins` in this sweep; a parameter's from the caller (`args_inv`)
+        or, for this sweep's own, from the loop's unchanged state (None outside a loop body)."""
+        if ins.opcode == "parameter":
+            if args_inv is not None:
+                return args_inv[int(ins.operand_text.strip() or 0)]
+            if self.carried is None:
+                return None
+            return licm.parameter_invariance(_arity(ins.type_text), self.carried)
+        if ins.opcode == "call":
+            return None  # the callee's root's, set by `_inline`
+        return licm.invariance(ins, operands, licm.operand_bytes(ins, sizes), self.keys)
 
     def _unmaterialize(self, loop: Instruction, state, comp: Computation) -> None:
         """Loop state that XLA takes out of a loop has no buffer: an element the body hands
@@ -191,6 +247,8 @@ class _Sweep:
             carried = frozenset(range(len(state)))  # inlined: an initial broadcast fuses
         for e in carried:
             for b in _leaves(state[e]) if e < len(state) else ():
+                if self.origin[b] == "parameter":  # the caller's: live outside the loop anyway
+                    continue
                 if e in dead or self.origin[b] in _SINKABLE:
                     self.size[b] = 0
 
@@ -227,7 +285,9 @@ class _Sweep:
         if op in _ALIAS or op == "dynamic-update-slice" or ins.names_sharding_only:
             return ops[0], 0
         if op == "while":
-            body = self.walker.peak(ins.attr("body").lstrip("%"), True)
+            once = self.walker.runs_once(ins.attr("condition").lstrip("%"))
+            hoists = not once and self.carried is None  # an inner loop's goes on out of this
+            body = self.walker.peak(ins.attr("body").lstrip("%"), True, hoists)
             return ops[0], body[0] - body[1]
         if op == "conditional":
             called = [c for c in ins.called_computations if c in self.walker.module.computations]
@@ -238,11 +298,12 @@ class _Sweep:
         return self._new(ins.type_text, i), 0
 
 
-def _schedule(comp: Computation) -> list[Instruction]:
+def _schedule(comp: Computation, users: Mapping[str, Sequence[str]]) -> list[Instruction]:
     """`comp`'s instructions in the order of a list scheduler that minimizes memory (XLA's
     ListMemoryScheduler's rule): of the instructions whose operands are computed, the one that
     frees the most bytes net of what it allocates, first listed on a tie. A recomputed layer
-    (remat) allocates and frees nothing, so it waits until the backward op that needs it."""
+    (remat) allocates and frees nothing, so it waits until the backward op that needs it.
+    `users`: the opcodes that read each instruction (`_Walker.users`)."""
     ins_list = comp.instructions
     by_name = {ins.name: ins for ins in ins_list}
     pos = {ins.name: i for i, ins in enumerate(ins_list)}
@@ -251,7 +312,7 @@ def _schedule(comp: Computation) -> list[Instruction]:
     for ins in ins_list:
         for o in operands[ins.name]:
             user_ops.setdefault(o, []).append(ins.opcode)
-    own = {ins.name: _own_bytes(ins, user_ops.get(ins.name, [])) for ins in ins_list}
+    own = {ins.name: _own_bytes(ins, users.get(ins.name, ())) for ins in ins_list}
     users_left = {name: len(u) for name, u in user_ops.items()}
     deps_left = {name: len(ops) for name, ops in operands.items()}
     users_of: dict[str, list[str]] = {}
@@ -284,12 +345,6 @@ def _operands(ins: Instruction, defined: Mapping[str, Instruction]) -> list[str]
         return []
     names = (o.split("#")[0] for o in ins.operands)
     return list(dict.fromkeys(n for n in names if n in defined))
-
-
-def fused_into_users(ins: Instruction, user_opcodes: Sequence[str]) -> bool:
-    """Whether a backend fuses `ins` into its users (see the module docstring): elementwise-like
-    and read only by ops that take fused inputs."""
-    return ins.opcode in FUSIBLE and bool(user_opcodes) and set(user_opcodes) <= CONSUMERS
 
 
 def _own_bytes(ins: Instruction, user_opcodes: Sequence[str]) -> int:

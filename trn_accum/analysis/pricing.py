@@ -34,7 +34,7 @@ features (`op_features`), per device and step (the partitioner's sharding names,
   in the time it takes;
 - `unfused_kernel_bytes`: the bytes of the kernel ops that no backend fuses (gathers,
   scatters, dynamic updates, sorts, custom calls; not the slices, transposes and
-  concatenations a fusion reads through, `trn_accum.analysis.live_bytes.FUSIBLE`), for
+  concatenations a fusion reads through, `trn_accum.analysis.fusion.FUSIBLE`), for
   pricing at the measured bandwidth;
 - `offchip_elementwise_bytes`: of the elementwise result bytes above (in and out of loops),
   those of results at least as large as the core's on-chip memory (`Efficiency.onchip_bytes`;
@@ -71,9 +71,9 @@ import math
 from collections.abc import Mapping
 
 from trn_accum.analysis.collectives import COLLECTIVE_KINDS
+from trn_accum.analysis.fusion import FUSIBLE
 from trn_accum.analysis.hlo import HloModule, Instruction
 from trn_accum.analysis.hlo_text import names_in
-from trn_accum.analysis.live_bytes import FUSIBLE
 from trn_accum.analysis.rates import Rates, dot_efficiency, dot_shape
 
 __all__ = [
