@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 from trn_accum.analysis.hlo import HloModule
 from trn_accum.analysis.hlo_ir import Computation, Instruction
-from trn_accum.analysis.hlo_text import split_top_level
+from trn_accum.analysis.hlo_text import tuple_arity
 
 __all__ = [
     "CONSUMERS",
@@ -79,7 +79,7 @@ def call_result_readers(comp: Computation, call: Instruction, readers) -> list |
     readers."""
     if not call.is_tuple:
         return tuple(readers.get(call.name, ()))
-    out: list[list[str]] = [[] for _ in split_top_level(call.type_text.strip()[1:-1])]
+    out: list[list[str]] = [[] for _ in range(tuple_arity(call.type_text))]
     for x in comp.instructions:
         if x.opcode == "get-tuple-element" and x.operands == (call.name,):
             out[int(x.attrs["index"])].extend(readers.get(x.name, ()))

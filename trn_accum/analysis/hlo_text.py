@@ -20,6 +20,7 @@ __all__ = [
     "parse_type",
     "split_top_level",
     "strip_braces",
+    "tuple_arity",
     "unquote",
 ]
 
@@ -151,6 +152,12 @@ def parse_attrs(text: str) -> dict[str, str]:
         attrs[key] = value.strip()
         last_key = key
     return attrs
+
+
+def tuple_arity(type_text: str) -> int:
+    """Elements of a tuple type (1 for an array); `/*index=N*/` comments ignored."""
+    t = re.sub(r"/\*.*?\*/", "", type_text).strip()
+    return len(split_top_level(t[1:-1])) if t.startswith("(") else 1
 
 
 def split_top_level(text: str) -> list[str]:

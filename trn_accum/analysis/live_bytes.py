@@ -52,7 +52,7 @@ from trn_accum.analysis.fusion import (
 )
 from trn_accum.analysis.hlo import HloModule, parse_hlo
 from trn_accum.analysis.hlo_ir import Computation, Instruction
-from trn_accum.analysis.hlo_text import parse_type, split_top_level
+from trn_accum.analysis.hlo_text import parse_type, split_top_level, tuple_arity
 
 __all__ = ["donated_parameters", "peak_live_bytes"]
 
@@ -174,7 +174,8 @@ class _Sweep:
         opcodes that use the root (the call's)."""
         values: dict[str, object] = {}
         invs: dict[str, object] = {}
-        sizes = {x.name: x.result_bytes for x in comp.instructions}
+        hoisting = self.carried is not None  # invariance matters only in a hoisting body
+        sizes = {x.name: x.result_bytes for x in comp.instructions} if hoisting else {}
         users = self.walker.users(comp.name)
         root = comp.root
         if root is not None:
@@ -182,9 +183,10 @@ class _Sweep:
         for ins in _schedule(comp, users):
             names = [] if ins.opcode == "constant" else ins.operands
             ops = [_lookup(values, o) for o in names]
-            inv = self._invariance(ins, [_lookup(invs, o) for o in names], args_inv, sizes)
+            inv_ops = [_lookup(invs, o) for o in names] if hoisting else []
+            inv = self._invariance(ins, inv_ops, args_inv, sizes) if hoisting else None
             invs[ins.name] = inv
-            hoisted = self.carried is not None and licm.is_hoisted(ins, inv)
+            hoisted = hoisting and licm.is_hoisted(ins, inv)
             if hoisted and inv[1] in self.hoisted:  # the same work, hoisted once
                 values[ins.name] = self.hoisted[inv[1]]
                 continue
@@ -229,7 +231,7 @@ class _Sweep:
                 return args_inv[int(ins.operand_text.strip() or 0)]
             if self.carried is None:
                 return None
-            return licm.parameter_invariance(_arity(ins.type_text), self.carried)
+            return licm.parameter_invariance(tuple_arity(ins.type_text), self.carried)
         if ins.opcode == "call":
             return None  # the callee's root's, set by `_inline`
         return licm.invariance(ins, operands, licm.operand_bytes(ins, sizes), self.keys)
@@ -242,7 +244,7 @@ class _Sweep:
         if not isinstance(state, list):
             return
         carried, read = self.walker.invariant(loop.attr("body").lstrip("%"))
-        dead = carried - read - _read(comp, loop.name, _arity(loop.type_text))
+        dead = carried - read - _read(comp, loop.name, tuple_arity(loop.type_text))
         if self.walker.runs_once(loop.attr("condition").lstrip("%")):
             carried = frozenset(range(len(state)))  # inlined: an initial broadcast fuses
         for e in carried:
@@ -377,12 +379,6 @@ def _read(comp: Computation, name: str, arity: int) -> set[int]:
             if op in index and not (x is root and x.opcode == "tuple" and j == index[op]):
                 read.add(index[op])
     return read
-
-
-def _arity(type_text: str) -> int:
-    """Elements of a tuple type (1 for an array)."""
-    t = re.sub(r"/\*.*?\*/", "", type_text).strip()
-    return len(split_top_level(t[1:-1])) if t.startswith("(") else 1
 
 
 def _lookup(values: dict, operand: str):
