@@ -48,9 +48,9 @@ import jax.numpy as jnp
 
 from benchmarks.accumulation import median_runtime
 from trn_accum.analysis import platforms
+from trn_accum.config.load import Config, DataConfig, ModelConfig
 from trn_accum.model.attention import attention
 from trn_accum.model.flash import flash_attention
-from trn_accum.train.config import Config, DataConfig, ModelConfig
 from trn_accum.train.flops import flops_per_step
 
 #: FlashAttention's benchmark count of a causal forward + backward (7 H Dh S^2 per sequence: the
@@ -133,9 +133,9 @@ def counters(fn, inputs, platform: str = "tpu-v5e") -> dict:
     "priced_s": the model's seconds for them on `platform` (`trn_accum.analysis.pricing`, the
     platform's efficiency and op rates, as the dry-run prices a step's ops)."""
     from trn_accum.analysis import pricing
-    from trn_accum.analysis.hlo import parse_hlo
+    from trn_accum.analysis.hlo.module import parse_hlo
+    from trn_accum.analysis.hlo.partitioned import compile_partitioned
     from trn_accum.analysis.live_bytes import peak_live_bytes
-    from trn_accum.analysis.partitioned import compile_partitioned
 
     shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in inputs]
     _, text = compile_partitioned(fwd_bwd(fn).lower(*shapes))

@@ -109,8 +109,8 @@ def predict_here(row: dict) -> dict:
     """`perfmodel.predict` of the row's config on its platform and node count (this process
     must have the emulated devices: `predict_in_subprocess`)."""
     from trn_accum.analysis import platforms, steptime
+    from trn_accum.config.load import load_config
     from trn_accum.plan import perfmodel
-    from trn_accum.train.config import load_config
 
     plat = platforms.get(row["platform"])
     cfg = load_config(str(ROOT / row["config"]), row.get("overrides", []))
@@ -357,12 +357,12 @@ def dry_run_args(row: dict) -> tuple[str, list[str]]:
 def lowered_module(row: dict):
     """The module a one-device row's dry-run prices, by lowering alone: a program of one
     partition skips the SPMD partitioner, so its module before XLA's optimizations is what
-    `trn_accum.analysis.partitioned` reads (tests/test_rates.py checks the two agree)."""
+    `trn_accum.analysis.hlo.partitioned` reads (tests/test_rates.py checks the two agree)."""
     import jax
 
-    from trn_accum.analysis.hlo import parse_hlo
+    from trn_accum.analysis.hlo.module import parse_hlo
+    from trn_accum.config.load import load_config
     from trn_accum.train import step as step_lib
-    from trn_accum.train.config import load_config
 
     path, sets = dry_run_args(row)
     cfg = load_config(str(ROOT / path), sets)

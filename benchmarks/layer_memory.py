@@ -67,8 +67,8 @@ def _choose(program: str) -> None:
 def compiled_bytes(config: str, overrides: list[str]) -> int:
     """`fit.compiled_total_bytes` of the step of `config` with `overrides`."""
     from trn_accum.analysis.memory import compiled_memory
+    from trn_accum.config.load import load_config
     from trn_accum.train import step
-    from trn_accum.train.config import load_config
 
     cfg = load_config(config, overrides)
     mesh = step.make_mesh(cfg)

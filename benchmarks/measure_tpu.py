@@ -120,7 +120,7 @@ def _watch(run_dir: str, steps: int) -> None:
 def child(config: str, run_dir: str) -> int:
     """Runs `trn-accum train` in this process; exits 0 once the last step is logged."""
     from trn_accum.cli import main
-    from trn_accum.train.config import load_config
+    from trn_accum.config.load import load_config
 
     steps = load_config(config).trainer.steps
     threading.Thread(target=_watch, args=(run_dir, steps), daemon=True).start()
@@ -136,7 +136,7 @@ def child(config: str, run_dir: str) -> int:
 
 def _row(config: str, run_dir: str, proc: subprocess.CompletedProcess, warmup: int) -> dict:
     from trn_accum.analysis import platforms
-    from trn_accum.train.config import load_config
+    from trn_accum.config.load import load_config
     from trn_accum.train.flops import flops_per_step
     from trn_accum.train.metrics import read_metrics
 

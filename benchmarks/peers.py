@@ -44,11 +44,11 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from trn_accum.analysis import collectives as coll  # noqa: E402
+from trn_accum.config.load import load_config  # noqa: E402
 from trn_accum.core.accumulate import Strategy, accumulate_gradients  # noqa: E402
 from trn_accum.core.split import split_minibatches  # noqa: E402
 from trn_accum.model import fuji  # noqa: E402
 from trn_accum.train import step  # noqa: E402
-from trn_accum.train.config import load_config  # noqa: E402
 
 K = 4
 METHODS = ("full batch", "ours per_minibatch", "ours once", "contiguous scan", "optax.MultiSteps")

@@ -38,7 +38,7 @@ import psutil
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _RUN = """
 import json, sys, time
-from trn_accum.train.prepare import prepare_data
+from trn_accum.data.prepare import prepare_data
 start = time.perf_counter()
 meta = prepare_data(sys.argv[1:2], sys.argv[2], sys.argv[3], workers=int(sys.argv[4]))
 print(json.dumps({"seconds": time.perf_counter() - start, "tokens": meta["num_tokens"],
@@ -133,7 +133,7 @@ def baseline_documents(corpus: str, fmt: str):
     if fmt == "jsonl":
         with open(corpus, encoding="utf-8") as f:
             return [json.loads(line)["text"] for line in f]
-    from trn_accum.train.corpus_read import chunks
+    from trn_accum.data.corpus_read import chunks
 
     return [c.payload.decode("utf-8") for c, _ in chunks(corpus)]
 

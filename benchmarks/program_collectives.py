@@ -5,7 +5,7 @@
 
 Builds the step as the trainer and the dry-run do (`trn_accum.train.step.build_step`, the rows
 of one node: global_batch / mesh.nodes), compiles it once and reads the module right after
-XLA's SPMD partitioner (`trn_accum.analysis.partitioned`), before XLA:CPU's own passes. Prints
+XLA's SPMD partitioner (`trn_accum.analysis.hlo.partitioned`), before XLA:CPU's own passes. Prints
 every distinct collective (kind, mesh axes, dtype, result shape, whether it runs in a loop) with
 its count and bytes, and the three figures of issue 35's program faults. Counts are per program
 text: the partitioned module carries no loop trip counts, so a collective in the minibatch loop
@@ -127,9 +127,9 @@ def main(argv=None) -> int:
 
     import time
 
-    from trn_accum.analysis.partitioned import compile_partitioned
+    from trn_accum.analysis.hlo.partitioned import compile_partitioned
+    from trn_accum.config.load import load_config
     from trn_accum.train import step
-    from trn_accum.train.config import load_config
 
     cfg = load_config(args.config, args.overrides)
     mesh = step.make_mesh(cfg)

@@ -58,11 +58,11 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from trn_accum.analysis import collectives as coll  # noqa: E402
-from trn_accum.analysis import hlo  # noqa: E402
+from trn_accum.analysis.hlo import module as hlo  # noqa: E402
+from trn_accum.config.load import load_config  # noqa: E402
 from trn_accum.core.split import split_minibatches  # noqa: E402
 from trn_accum.model import fuji  # noqa: E402
 from trn_accum.train import loop, step  # noqa: E402
-from trn_accum.train.config import load_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = "configs/fuji-tiny.toml"

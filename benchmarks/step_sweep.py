@@ -5,7 +5,7 @@ chip compiler's own memory figure for each (issues 45 and 46).
 
 From the repository root, package importable (PYTHONPATH=.), JAX_PLATFORMS unset on a TPU.
 The cases file is a JSON list of {"name", "config", "set": ["section.key=value", ...]}; each case
-is `trn_accum.train.config.load_config(config, set)` (what `trn-accum train --config C --set ...`
+is `trn_accum.config.load.load_config(config, set)` (what `trn-accum train --config C --set ...`
 reads), built by the trainer's own `trn_accum.train.trainer.Trainer.build` (mesh, every "auto"
 resolved, the compiled step, the config's data). Opening the chip once
 for every case saves the ~15 s each process pays (measure_tpu.py's one process per config runs
@@ -41,7 +41,7 @@ import jax
 from trn_accum.analysis import platforms
 from trn_accum.analysis.memory import compiled_memory, footprint
 from trn_accum.analysis.target_memory import refused_bytes
-from trn_accum.train.config import load_config
+from trn_accum.config.load import load_config
 from trn_accum.train.flops import flops_per_step
 from trn_accum.train.trainer import Trainer
 

@@ -70,8 +70,8 @@ def _program(row: dict, devices=None):
     """The step of `row` on `devices` (default: this process's first device)."""
     import jax
 
+    from trn_accum.config.load import load_config
     from trn_accum.train import step
-    from trn_accum.train.config import load_config
 
     cfg = load_config(str(ROOT / row["config"]), row["overrides"])
     mesh = step.make_mesh(cfg, jax.devices()[:1] if devices is None else devices)

@@ -43,8 +43,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def compiled_text(row: dict) -> str:
     """The row's step compiled by the TPU compiler without a chip, as HLO text."""
     from trn_accum.analysis import target_memory
+    from trn_accum.config.load import load_config
     from trn_accum.train import step as step_lib
-    from trn_accum.train.config import load_config
 
     sys.path.insert(0, str(ROOT))
     from benchmarks.calibrate import dry_run_args
@@ -62,7 +62,7 @@ def compiled_text(row: dict) -> str:
 def space_bytes(type_text: str) -> tuple[int, int]:
     """(HBM, VMEM) bytes of the arrays of an HLO type with layouts: an array whose layout
     names memory space 1 (`{...S(1)}`) is in the core's vector memory."""
-    from trn_accum.analysis.hlo_text import parse_type
+    from trn_accum.analysis.hlo.text import parse_type
 
     hbm = vmem = 0
     for m in _LAID_OUT.finditer(re.sub(r"/\*.*?\*/", "", type_text)):
@@ -79,7 +79,7 @@ _LAID_OUT = re.compile(r"([a-z][a-z0-9]*)\[([^\]]*)\](\{[^}]*\})?")
 
 def in_place_update(module, ins):
     """The dynamic-update-slice `ins` is or whose fusion it roots, else None."""
-    from trn_accum.analysis.hlo_text import names_in
+    from trn_accum.analysis.hlo.text import names_in
 
     if ins.opcode == "dynamic-update-slice":
         return ins
@@ -135,7 +135,7 @@ def bytes_by_kind(module) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     from trn_accum.analysis import platforms
-    from trn_accum.analysis.hlo import parse_hlo
+    from trn_accum.analysis.hlo.module import parse_hlo
 
     sys.path.insert(0, str(ROOT))
     from benchmarks.calibrate import error_pct

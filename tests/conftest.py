@@ -10,7 +10,7 @@ import os
 # emitters (a backend option both jaxlibs of `make test` know): `pytest -p no:xdist
 # tests/test_strategy.py tests/test_train.py` 42.2 -> 25.3 s user CPU on jaxlib 0.10.0,
 # tests/test_strategy.py 11.7 -> 6.4 s on 0.11.2. None changes the partitioned module (the
-# collectives, dtypes and FLOPs the tests read, `trn_accum.analysis.partitioned`); the third
+# collectives, dtypes and FLOPs the tests read, `trn_accum.analysis.hlo.partitioned`); the third
 # changes XLA:CPU's own later passes (a scatter becomes a loop) and its fusions (float32
 # rounding may differ between two programs of the same math). Every executable stays
 # deterministic. Every process the suite starts gets them (`xla_flags`); a user's run does not.
@@ -56,7 +56,7 @@ assert jax.device_count() == 8, f"expected 8 emulated CPU devices, got {jax.devi
 # processes write at once). jaxlib 0.10.0's XLA:CPU logs two error lines per cache hit here
 # (openxla/xla#44565: tuning flags in the host-feature check; the executable loads and runs),
 # hence TF_CPP_MIN_LOG_LEVEL. What reads XLA's dumps turns the cache off for that compile
-# itself (trn_accum.analysis.partitioned), as it must on trn2, where the cache is on.
+# itself (trn_accum.analysis.hlo.partitioned), as it must on trn2, where the cache is on.
 JAX_CACHE_ENV = {
     "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
     "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1",

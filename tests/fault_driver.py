@@ -20,7 +20,7 @@ import signal
 import sys
 
 from trn_accum import cli
-from trn_accum.train.checkpoint import Checkpointer
+from trn_accum.checkpoint.checkpointer import Checkpointer
 from trn_accum.train.metrics import MetricsLogger
 
 

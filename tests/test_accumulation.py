@@ -14,8 +14,8 @@ from jax.sharding import PartitionSpec as P
 
 from trn_accum import Strategy, accumulate_gradients
 from trn_accum.analysis import collectives as coll
-from trn_accum.analysis import hlo
-from trn_accum.analysis.partitioned import compile_partitioned
+from trn_accum.analysis.hlo import module as hlo
+from trn_accum.analysis.hlo.partitioned import compile_partitioned
 from trn_accum.core.constraints import constrain as constrain_sharding
 from trn_accum.core.mesh import build_mesh
 from trn_accum.core.specs import leaf_specs

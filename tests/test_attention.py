@@ -183,8 +183,8 @@ def test_flash_program_is_loop_free_and_small(plain_temp_bytes):
     which the optimization barriers order the rows). XLA:CPU removes the barriers before it
     schedules (OptimizationBarrierExpander), so its own temporaries are held to less than half
     of plain's only."""
+    from trn_accum.analysis.hlo.partitioned import compile_partitioned
     from trn_accum.analysis.live_bytes import peak_live_bytes
-    from trn_accum.analysis.partitioned import compile_partitioned
 
     compiled, text = compile_partitioned(_fwd_bwd_lowered("flash"))
     hlo = compiled.as_text()
@@ -204,7 +204,7 @@ def test_flash_program_is_loop_free_and_small(plain_temp_bytes):
 
 
 def _partitioned(impl, s):
-    from trn_accum.analysis.partitioned import compile_partitioned
+    from trn_accum.analysis.hlo.partitioned import compile_partitioned
 
     return compile_partitioned(_fwd_bwd_lowered(impl, s))[1]
 
@@ -578,7 +578,7 @@ def test_save_attention_keeps_the_residuals_so_no_forward_runs_twice(impl):
     once more (two per causal block pair: 10 pairs of 4 blocks of 128, 2 heads of 128, batch
     1, 2 x 128^3 each), the price of keeping less."""
     from trn_accum.analysis import pricing
-    from trn_accum.analysis.hlo import parse_hlo
+    from trn_accum.analysis.hlo.module import parse_hlo
     from trn_accum.model import fuji
 
     widths = dict(vocab_size=256, hidden_dim=256, num_heads=2, num_kv_heads=2, head_dim=128)

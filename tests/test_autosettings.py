@@ -1,4 +1,4 @@
-"""model.remat / model.loss_chunk = "auto", chosen with k from memory (train/autosettings.py):
+"""model.remat / model.loss_chunk = "auto", chosen with k from memory (plan/autosettings.py):
 the order (remat none first, smallest k, largest loss chunk) against injected measures, the
 chunk sized from the memory left and confirmed by the measure, the config's values, the model's
 refusal of an unresolved "auto", and the trainer's path to the compiled measure."""
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from trn_accum.analysis.autotune import AutotuneError
-from trn_accum.train import autosettings as auto
-from trn_accum.train.config import ConfigError, load_config
+from trn_accum.config.load import ConfigError, load_config
+from trn_accum.plan import autosettings as auto
 
 TINY = str(Path(__file__).resolve().parents[1] / "configs" / "fuji-tiny.toml")
 GIB = 2**30
@@ -153,7 +153,8 @@ def test_loss_chunk_report():
 def test_the_trainer_resolves_every_auto_on_the_fit_checks_figure(monkeypatch):
     """Trainer.build's resolution reaches autok's compile (faked here: no compile) with each
     candidate's settings and the dry-run's figure (the target's estimate), not the backend's."""
-    from trn_accum.train import autok, step, trainer
+    from trn_accum.plan import autok
+    from trn_accum.train import step
 
     seen = []
 
@@ -166,7 +167,7 @@ def test_the_trainer_resolves_every_auto_on_the_fit_checks_figure(monkeypatch):
 
     monkeypatch.setattr(autok, "_compile_step_bytes", fake)
     cfg = load_config(TINY, AUTO + ["trainer.memory_budget_gib=0.75"])
-    new, r = trainer.resolve_accum_steps(cfg, step.make_mesh(cfg))
+    new, r = auto.resolve_for_run(cfg, step.make_mesh(cfg))
     assert (new.model.remat, new.trainer.accum_steps, new.model.loss_chunk) == ("none", 2, 0)
     assert {s[3] for s in seen} == {"target"} and {s[0] for s in seen} == {"none"}
     assert "chose remat = none, accum_steps = 2" in r.format()
@@ -177,7 +178,7 @@ def test_a_compiler_refusal_counts_at_the_bytes_it_asked(monkeypatch):
     the bytes it asked (a TPU's message) and goes on, on either figure; any other compile error
     is raised on CPU, and on an accelerator whose plugin takes no dump options the "target"
     figure is the backend's own footprint, said in the method."""
-    from trn_accum.train import autok
+    from trn_accum.plan import autok
 
     oom = "RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm. Used 20.41G of 15.75G hbm."
 
@@ -224,7 +225,7 @@ def test_the_compiled_figure_is_the_compilers_peak_where_it_reports_one(monkeypa
     sum was above its memory); the sum where the analysis has no peak (XLA:CPU)."""
     import types
 
-    from trn_accum.train import autok
+    from trn_accum.plan import autok
 
     parts = dict(argument=10 * GIB, output=10 * GIB, alias=10 * GIB, temp=6 * GIB)
     stats = {f"{k}_size_in_bytes": v for k, v in parts.items()}

@@ -9,8 +9,8 @@ import pytest
 from trn_accum.analysis import autotune
 from trn_accum.analysis.autotune import AutotuneError
 from trn_accum.analysis.autotune import autotune as search
-from trn_accum.train import autok
-from trn_accum.train.config import load_config
+from trn_accum.config.load import load_config
+from trn_accum.plan import autok, autosettings
 
 TINY = str(Path(__file__).resolve().parents[1] / "configs" / "fuji-tiny.toml")
 
@@ -179,7 +179,13 @@ def test_auto_on_cpu_small_budget_search_dry_run_and_train(tmp_path, monkeypatch
     # tests/test_train.py's business: skipped here)
     monkeypatch.setattr(loop, "_loop", lambda trainer, *a: trainer.cfg.trainer.accum_steps)
     console = io.StringIO()
-    rc = loop.run(TINY, overrides=over, run_dir=str(tmp_path / "run"), console=console)
+    rc = loop.run(
+        TINY,
+        overrides=over,
+        run_dir=str(tmp_path / "run"),
+        console=console,
+        settings=autosettings.resolve_for_run,
+    )
     log = console.getvalue()
     assert rc == 4, log
     assert "chose accum_steps = 4" in log and "in 4 minibatches" in log
@@ -194,6 +200,6 @@ def test_no_candidate_fits_is_one_line_user_error(monkeypatch):
     monkeypatch.setattr(autok, "_compile_step_bytes", lambda cfg, mesh, rows, figure: (10**9, 0.1))
     over = ["trainer.accum_steps=auto", "trainer.memory_budget_gib=0.5"]
     with pytest.raises(AutotuneError, match="even the largest candidate k=4 needs 0.93 GiB"):
-        loop.Trainer.build(load_config(TINY, over))
+        loop.Trainer.build(load_config(TINY, over), settings=autosettings.resolve_for_run)
     with pytest.raises(AutotuneError, match="raise trainer.memory_budget_gib"):
         dryrun.run(TINY, overrides=over, devices=8)

@@ -142,7 +142,7 @@ def test_the_onchip_split_check_fits_on_the_fitting_rows_and_scores_the_others()
 
     from benchmarks import onchip_split
     from trn_accum.analysis import platforms
-    from trn_accum.analysis.hlo import parse_hlo
+    from trn_accum.analysis.hlo.module import parse_hlo
 
     module = parse_hlo(TEXT)
     row = {"module": module, "measured_s": 1e-3, "comm_predicted_s": 0.0}

@@ -22,8 +22,8 @@ from conftest import xla_flags
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from trn_accum.checkpoint.checkpointer import Checkpointer, CheckpointError, abstract_state
 from trn_accum.errors import EXIT_PREEMPTED
-from trn_accum.train.checkpoint import Checkpointer, CheckpointError, abstract_state
 from trn_accum.train.preemption import Preemption
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -156,7 +156,7 @@ def test_rotation_never_deletes_the_new_commit(tmp_path, caplog):
     with Checkpointer(str(tmp_path), keep=2, async_save=False) as ck:
         for s in (15, 20):
             assert ck.save(s, {"x": small["x"] + s}, force=True)
-    caplog.set_level(logging.WARNING, logger="trn_accum.train.checkpoint")
+    caplog.set_level(logging.WARNING, logger="trn_accum.checkpoint.checkpointer")
     with _undeletable(tmp_path / "15", tmp_path / "20"):
         with Checkpointer(str(tmp_path), keep=2) as ck:
             assert ck.save(25, {"x": small["x"] + 25}, force=True)
@@ -198,7 +198,7 @@ def test_killed_save_is_removed_and_the_previous_step_resumed(tmp_path, caplog):
     shutil.copytree(tmp_path / "2", tmp)
     os.remove(tmp / "commit_success.txt")
     before = [p for p in _listing(tmp_path) if not p.startswith(tmp.name)]
-    with caplog.at_level(logging.WARNING, logger="trn_accum.train.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="trn_accum.checkpoint.checkpointer"):
         ck = Checkpointer(str(tmp_path))
         assert ck.latest_step() == 2
         restored, meta = ck.restore(abstract_state(_state(0, mesh)))
@@ -268,7 +268,7 @@ _MISMATCH = textwrap.dedent(
     """
     import sys
     import jax, jax.numpy as jnp
-    from trn_accum.train.checkpoint import Checkpointer, CheckpointError
+    from trn_accum.checkpoint.checkpointer import Checkpointer, CheckpointError
     state = {"params": {"embed": jnp.ones((512, 64)), "norm": jnp.ones((64,))},
              "step": jnp.int32(3)}
     with Checkpointer(sys.argv[1], async_save=False) as ck:
@@ -350,7 +350,7 @@ _SAVER = textwrap.dedent(
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     from orbax.checkpoint._src.path import atomicity
-    from trn_accum.train.checkpoint import Checkpointer
+    from trn_accum.checkpoint.checkpointer import Checkpointer
 
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "fsdp"))
     sh = NamedSharding(mesh, P("fsdp"))
@@ -398,7 +398,7 @@ def test_sigkill_during_save_resumes_from_previous(tmp_path, caplog):
         "v": jax.ShapeDtypeStruct((1024, 1024), jnp.float32, sharding=NamedSharding(mesh, P())),
         "step": jax.ShapeDtypeStruct((), jnp.int32),
     }
-    with caplog.at_level(logging.WARNING, logger="trn_accum.train.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="trn_accum.checkpoint.checkpointer"):
         ck = Checkpointer(str(tmp_path))
         restored, meta = ck.restore(target)
         ck.close()
@@ -412,7 +412,7 @@ _RESTORE_4 = textwrap.dedent(
     import sys, json
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    from trn_accum.train.checkpoint import Checkpointer
+    from trn_accum.checkpoint.checkpointer import Checkpointer
     assert jax.device_count() == 4
     mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("fsdp", "model"))
     target = {
@@ -490,7 +490,7 @@ _TRAINER = textwrap.dedent(
     if nproc > 1:
         jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=nproc, process_id=pid)
     from trn_accum.errors import EXIT_PREEMPTED
-    from trn_accum.train.checkpoint import Checkpointer
+    from trn_accum.checkpoint.checkpointer import Checkpointer
     from trn_accum.train.preemption import Preemption
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "fsdp"))
     sh = NamedSharding(mesh, P(("data", "fsdp")))

@@ -52,9 +52,9 @@ def _train_records(run_dir):
 
 def _final_params(run_dir, at_step):
     """The params of checkpoint `at_step`, as numpy, restored in this (8-device) process."""
+    from trn_accum.checkpoint.checkpointer import Checkpointer
+    from trn_accum.config.load import load_config
     from trn_accum.train import step
-    from trn_accum.train.checkpoint import Checkpointer
-    from trn_accum.train.config import load_config
 
     cfg = load_config(TINY)
     program = step.build_step(cfg, step.make_mesh(cfg))

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from trn_accum.train import config as C
-from trn_accum.train.config import ConfigError, config_from_dict, config_to_dict, load_config
+from trn_accum.config import load as C
+from trn_accum.config.load import ConfigError, config_from_dict, config_to_dict, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 REF = ROOT / "configs" / "fuji-3b-trn2.toml"

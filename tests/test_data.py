@@ -15,7 +15,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from multiprocess import tagged_json
 
-from trn_accum.train.data import (
+from trn_accum.data.datasets import (
     DataError,
     SyntheticDataset,
     TokenDataset,
@@ -25,7 +25,7 @@ from trn_accum.train.data import (
     process_rows,
     read_meta,
 )
-from trn_accum.train.prepare import prepare_data
+from trn_accum.data.prepare import prepare_data
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -374,7 +374,7 @@ _WORKER = textwrap.dedent(
     pid = int(sys.argv[1])
     jax.distributed.initialize(f"127.0.0.1:{sys.argv[2]}", num_processes=2, process_id=pid)
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    from trn_accum.train.data import SyntheticDataset, global_batch
+    from trn_accum.data.datasets import SyntheticDataset, global_batch
 
     class Spy(SyntheticDataset):
         asked = []

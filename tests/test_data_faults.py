@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 from conftest import subprocess_env, user_error_line
 
+from trn_accum.data.datasets import DataError, TokenDataset
+from trn_accum.data.prepare import prepare_data
+from trn_accum.data.tokens import fingerprint, read_meta
 from trn_accum.errors import EXIT_USAGE
-from trn_accum.train.data import DataError, TokenDataset
 from trn_accum.train.metrics import read_metrics
-from trn_accum.train.prepare import prepare_data
-from trn_accum.train.tokens import fingerprint, read_meta
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "fuji-tiny.toml")

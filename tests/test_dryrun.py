@@ -14,12 +14,13 @@ import pytest
 from conftest import xla_flags
 
 from trn_accum import cli
-from trn_accum.analysis import hlo, memory
+from trn_accum.analysis import memory
+from trn_accum.analysis.hlo import module as hlo
+from trn_accum.config.load import load_config
 from trn_accum.core.mesh import resolve_axes
 from trn_accum.model import fuji
 from trn_accum.neuron import preflight as neuron
 from trn_accum.plan import dryrun
-from trn_accum.train.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "fuji-tiny.toml")

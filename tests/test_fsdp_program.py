@@ -13,10 +13,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from trn_accum.analysis.collectives import collectives, group_axes
-from trn_accum.analysis.partitioned import compile_partitioned
+from trn_accum.analysis.hlo.partitioned import compile_partitioned
+from trn_accum.config.load import load_config
 from trn_accum.model import fsdp, fuji
 from trn_accum.train import step
-from trn_accum.train.config import load_config
 
 SETS = [
     "mesh.data=2", "mesh.fsdp=4", "mesh.model=1", 'mesh.rules="fsdp"', 'model.layer_loop="unroll"',

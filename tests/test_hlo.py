@@ -8,7 +8,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from trn_accum.analysis import collectives as coll
-from trn_accum.analysis import hlo
+from trn_accum.analysis.hlo import module as hlo
 
 
 def _mesh(shape, names, devices=None):

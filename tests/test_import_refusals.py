@@ -17,9 +17,9 @@ import pytest
 from conftest import subprocess_env, user_error_line
 from safetensors.numpy import save_file
 
+from trn_accum.config.load import load_config
 from trn_accum.interop import convert, hf_io, llama, validate
 from trn_accum.interop.llama import InteropError
-from trn_accum.train.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "fuji-tiny.toml")

@@ -3,7 +3,8 @@
 Every `import trn_accum...` in the package is read with `ast` (function-level imports too), and
 the graph is checked against the layers of docs/design.md:
 
-    errors  <-  core  <-  model  <-  train  <-  plan, interop  <-  cli
+    errors  <-  core  <-  model  <-  data, checkpoint  <-  config  <-  train  <-  plan, interop
+            <-  cli
                   neuron/, analysis/, cluster/ beside, never importing train, plan, cli or model
                   optax.py (the optax adapters) imports core alone
 """
@@ -16,6 +17,7 @@ import pytest
 PKG = Path(__file__).resolve().parents[1] / "trn_accum"
 
 # package room -> rooms it may import (itself always allowed)
+LOWER = ("data", "checkpoint", "config")  # what the trainer is built from
 ALLOWED = {
     "errors": set(),
     "core": set(),  # JAX only
@@ -23,12 +25,27 @@ ALLOWED = {
     "analysis": {"errors", "core", "neuron"},  # steptime reads neuron.platform figures
     "model": {"errors", "core", "neuron"},  # the NKI adapter lives in neuron/kernels.py
     "cluster": {"errors", "neuron"},
-    "train": {"errors", "core", "model", "neuron", "analysis", "cluster"},
-    "plan": {"errors", "core", "model", "neuron", "analysis", "cluster", "train"},
+    "data": {"errors"},  # prepared token files and datasets: NumPy, no JAX model
+    "checkpoint": {"errors"},  # orbax, the run dir and its readers
+    # the schema's choice lists come from what implements them (core, model, data)
+    "config": {"errors", "core", "model", "neuron", "data", "checkpoint"},
+    "train": {"errors", "core", "model", "neuron", "analysis", "cluster", *LOWER},
+    "plan": {"errors", "core", "model", "neuron", "analysis", "cluster", *LOWER, "train"},
     # Hugging Face Llama checkpoints in and out of run directories
-    "interop": {"errors", "core", "model", "neuron", "analysis", "cluster", "train"},
+    "interop": {"errors", "core", "model", "neuron", "analysis", "cluster", *LOWER, "train"},
     "optax": {"core"},  # optax adapters (accumulation across calls)
-    "cli": {"errors", "core", "model", "neuron", "analysis", "cluster", "train", "plan", "interop"},
+    "cli": {
+        "errors",
+        "core",
+        "model",
+        "neuron",
+        "analysis",
+        "cluster",
+        *LOWER,
+        "train",
+        "plan",
+        "interop",
+    },
     "__init__": {"core"},
 }
 
@@ -156,3 +173,47 @@ def test_accumulate_gradients_fits_on_a_screen():
 
     n = len(Path(accumulate.__file__).read_text().splitlines())
     assert n <= 300, f"core/accumulate.py has {n} lines (the core idea fits in 300)"
+
+
+def test_no_folder_holds_more_than_15_modules_or_a_fifth_of_the_lines():
+    """A folder holds one job: at most 15 modules (its __init__ aside), and no top-level
+    folder (its subfolders with it) more than 20 % of the package's lines."""
+    folders = {p.parent for p in PKG.rglob("*.py")}
+    crowded = {
+        str(f.relative_to(PKG)): n
+        for f in folders
+        if (n := sum(1 for p in f.glob("*.py") if p.name != "__init__.py")) > 15
+    }
+    assert not crowded, f"folders over 15 modules: {crowded}"
+    lines = {p: len(p.read_text().splitlines()) for p in PKG.rglob("*.py")}
+    total = sum(lines.values())
+    share = {}
+    for path, n in lines.items():
+        top = path.relative_to(PKG).parts[0]
+        share[top] = share.get(top, 0) + n
+    heavy = {top: f"{n / total:.1%}" for top, n in share.items() if n > 0.2 * total}
+    assert not heavy, f"top-level folders over 20 % of {total} lines: {heavy}"
+
+
+def test_reading_a_run_dir_imports_neither_the_loop_nor_the_settings_search():
+    """eval, export-hf and import-hf (interop/) build the model and read checkpoints: the
+    training loop and the search that chooses "auto" settings are not theirs to load."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from trn_accum.interop import commands, convert, evaluate\n"
+        "print(' '.join(sorted(m for m in sys.modules if m.startswith('trn_accum.'))))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    ).stdout.split()
+    assert "trn_accum.interop.evaluate" in out  # the import itself happened
+    search = {"autok", "autosettings", "search", "recommend"}  # wherever they live
+    loaded = [
+        m
+        for m in out
+        if m.endswith(".loop") or m.startswith("trn_accum.plan") or m.split(".")[-1] in search
+    ]
+    assert not loaded, f"the readers load {loaded}"

@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from trn_accum import accumulate_gradients
 from trn_accum.analysis.collectives import count_collectives
-from trn_accum.analysis.partitioned import compile_partitioned
+from trn_accum.analysis.hlo.partitioned import compile_partitioned
 
 B, D, H = 16, 4, 2
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from trn_accum.config.load import load_config
 from trn_accum.model import fuji
-from trn_accum.train.config import load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = sorted((ROOT / "configs" / "calibration").glob("tpu-v5e-*.toml"))

@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 
 from trn_accum.analysis import memory
+from trn_accum.config.load import load_config
 from trn_accum.model import fuji
 from trn_accum.plan import dryrun
 from trn_accum.train import step as step_lib
-from trn_accum.train.config import load_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 F3B, TINY = str(CONFIGS / "fuji-3b-trn2.toml"), str(CONFIGS / "fuji-tiny.toml")

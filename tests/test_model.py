@@ -18,9 +18,9 @@ from conftest import xla_flags
 from jax.sharding import AxisType, Mesh
 from jax.sharding import PartitionSpec as P
 
+from trn_accum.config.load import SHARDING_RULE_SETS, ModelConfig, load_config
 from trn_accum.model import fuji, sharding
 from trn_accum.model.attention import attention
-from trn_accum.train.config import SHARDING_RULE_SETS, ModelConfig, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 REF = ROOT / "configs" / "fuji-3b-trn2.toml"
@@ -198,7 +198,7 @@ def test_3b_init_std_per_parameter_follows_the_golden_rule():
     """The 3B config's init (AXLearn's golden init for fuji-3B-v3): normal(0, 1/fan_in) for
     every projection, with fan_in read here from the shapes (q/k/v/gate/up: their input dim;
     o: heads x head_dim; down: the FFN dim), and the embedding by its fan-out (hidden)."""
-    from trn_accum.train.config import load_config
+    from trn_accum.config.load import load_config
 
     cfg = load_config(ROOT / "configs" / "fuji-3b-trn2.toml").model
     assert cfg.init == "fan_in" and cfg.rope == "interleaved"
@@ -428,7 +428,7 @@ SPECS_64 = r"""
 import json, math
 import jax, numpy as np
 from jax.sharding import Mesh, NamedSharding
-from trn_accum.train.config import load_config
+from trn_accum.config.load import load_config
 from trn_accum.model import fuji
 
 assert jax.device_count() == 64
@@ -546,7 +546,7 @@ def test_fused_projections_reduce_four_times_a_layer_over_model():
     the forward pass: the partitioned program's all-reduces over "model", counted per layer
     from two depths (bf16 reductions only: the float32 ones are the norms' and the loss's)."""
     from trn_accum.analysis.collectives import collectives, group_axes
-    from trn_accum.analysis.hlo import parse_hlo
+    from trn_accum.analysis.hlo.module import parse_hlo
     from trn_accum.train import step as step_lib
 
     def count(layers):

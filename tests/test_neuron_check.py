@@ -11,9 +11,9 @@ import pytest
 from conftest import xla_flags
 
 from trn_accum import cli
+from trn_accum.config.load import load_config
 from trn_accum.neuron import kernels
 from trn_accum.plan import neuron_check
-from trn_accum.train.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 F3B = str(ROOT / "configs" / "fuji-3b-trn2.toml")

@@ -7,9 +7,9 @@ import socket
 
 import pytest
 
+from trn_accum.config.load import load_config
 from trn_accum.plan import node_rows
 from trn_accum.plan.node_rows import FAIL, PASS, PairShape, kernel_pair_plan
-from trn_accum.train.config import load_config
 
 
 def slurm(ntasks: int, procid: int, nodes: str = "trn2-[001-002]") -> dict:

@@ -1,4 +1,4 @@
-"""analysis.partitioned: the module after XLA's SPMD partitioner, before XLA:CPU's own passes."""
+"""analysis.hlo.partitioned: the module after XLA's SPMD partitioner, before XLA:CPU's own passes."""
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +8,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from trn_accum.analysis.collectives import collectives
-from trn_accum.analysis.partitioned import compile_partitioned
+from trn_accum.analysis.hlo.partitioned import compile_partitioned
 
 
 def _grad_of_sharded_weight():
@@ -60,7 +60,7 @@ def test_one_device_program_is_its_module_before_optimizations():
 CACHED = """
 import jax, jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
-from trn_accum.analysis.partitioned import compile_partitioned
+from trn_accum.analysis.hlo.partitioned import compile_partitioned
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))

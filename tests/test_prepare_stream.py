@@ -25,11 +25,11 @@ import zstandard
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from trn_accum import cli
-from trn_accum.train.corpus_read import _text_cut
-from trn_accum.train.data import DataError, TokenDataset
-from trn_accum.train.prepare import interrupted_files, parse_shard, prepare_data, shard_files
-from trn_accum.train.prepare_progress import Progress, progress_line
-from trn_accum.train.tokens import fingerprint, read_meta
+from trn_accum.data.corpus_read import _text_cut
+from trn_accum.data.datasets import DataError, TokenDataset
+from trn_accum.data.prepare import interrupted_files, parse_shard, prepare_data, shard_files
+from trn_accum.data.progress import Progress, progress_line
+from trn_accum.data.tokens import fingerprint, read_meta
 
 WORDS = "the of and to a in is was he for it with as his on be at by had are but from or".split()
 FIELD = "content"

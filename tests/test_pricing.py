@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from trn_accum.analysis import platforms, pricing
-from trn_accum.analysis.hlo import parse_hlo
+from trn_accum.analysis.hlo.module import parse_hlo
 from trn_accum.neuron import platform as neuron
 
 # A loop of 3 trips (no known_trip_count: the trip count is read off the condition, as in a

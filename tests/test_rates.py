@@ -7,7 +7,7 @@ import pathlib
 import pytest
 
 from trn_accum.analysis import platforms, pricing, rates, roofline
-from trn_accum.analysis.hlo import parse_hlo
+from trn_accum.analysis.hlo.module import parse_hlo
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -129,9 +129,9 @@ def test_a_lowered_one_device_step_has_the_features_of_the_compiled_one():
     import jax
 
     from benchmarks import calibrate
-    from trn_accum.analysis.partitioned import compile_partitioned
+    from trn_accum.analysis.hlo.partitioned import compile_partitioned
+    from trn_accum.config.load import load_config
     from trn_accum.train import step as step_lib
-    from trn_accum.train.config import load_config
 
     row = {
         "name": "tiny",

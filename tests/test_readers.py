@@ -1,4 +1,4 @@
-"""`eval` and `export-hf` only read (`trn_accum.train.ckpt_reader`): beside a trainer that writes
+"""`eval` and `export-hf` only read (`trn_accum.checkpoint.reader`): beside a trainer that writes
 a checkpoint every step (and deletes old ones), on a run dir they cannot write, and without
 orbax's late noise when a restore fails."""
 
@@ -18,9 +18,9 @@ import pytest
 from conftest import NO_JAX_CACHE, subprocess_env
 from orbax.checkpoint._src import asyncio_utils
 
+from trn_accum.checkpoint import reader as ckpt_reader
+from trn_accum.checkpoint.checkpointer import CheckpointError
 from trn_accum.interop import convert, hf_io
-from trn_accum.train import ckpt_reader
-from trn_accum.train.checkpoint import CheckpointError
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "fuji-tiny.toml")
@@ -32,7 +32,7 @@ READER = """
 import sys, time
 from trn_accum.cli import main
 from trn_accum.interop import convert, evaluate
-from trn_accum.train.ckpt_reader import committed_steps
+from trn_accum.checkpoint.reader import committed_steps
 run, tokens, out = sys.argv[1:]
 deadline = time.monotonic() + 240
 while not committed_steps(run + "/checkpoints") and time.monotonic() < deadline:

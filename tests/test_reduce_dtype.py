@@ -25,7 +25,7 @@ from test_train import TINY, _losses
 
 from trn_accum import Strategy, accumulate_gradients
 from trn_accum.analysis import collectives as coll
-from trn_accum.analysis import hlo
+from trn_accum.analysis.hlo import module as hlo
 
 U = 2.0**-9  # bf16 unit roundoff
 DTYPES = ("float32", "bfloat16")
@@ -158,7 +158,7 @@ def test_config_refuses_bf16_with_per_minibatch(capsys):
     """One line, no traceback, naming the key, the value, the rule and the fix; the core's own
     ValueError says the same in its words; an unknown dtype is a choice error."""
     from trn_accum import cli as trn_cli
-    from trn_accum.train.config import ConfigError, load_config
+    from trn_accum.config.load import ConfigError, load_config
 
     argv = ["--config", TINY, "--set", "trainer.reduce_dtype=bfloat16"]  # tiny: per_minibatch
     assert trn_cli.main(["check-config", "--", *argv]) == 2
@@ -192,8 +192,8 @@ STEPS = 10
 
 @functools.cache
 def _trainer(reduce_dtype):
+    from trn_accum.config.load import load_config
     from trn_accum.train import loop
-    from trn_accum.train.config import load_config
 
     sets = ["trainer.reduce=once", "trainer.accum_steps=4", f"trainer.reduce_dtype={reduce_dtype}"]
     return loop.Trainer.build(load_config(TINY, sets))  # (data 4, fsdp 2), bf16 compute

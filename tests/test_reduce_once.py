@@ -138,7 +138,7 @@ def test_mlp_one_data_reduction_and_bytes_fall_by_k(mesh_name, k):
 
 
 def fuji_config(mesh_name, k, reduce, extra=()):
-    from trn_accum.train.config import load_config
+    from trn_accum.config.load import load_config
 
     axes = MESHES[mesh_name]
     return load_config(

@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from trn_accum.train import ckpt_dir
-from trn_accum.train.checkpoint import Checkpointer, abstract_state
+from trn_accum.checkpoint import leftovers as ckpt_dir
+from trn_accum.checkpoint.checkpointer import Checkpointer, abstract_state
 
 
 def _state(value: float) -> dict:
@@ -52,7 +52,7 @@ def test_leftovers_are_removed_at_start_and_committed_steps_kept(tmp_path, caplo
     size = ckpt_dir.tree_bytes(tmp_path / "2")
     assert size > 256 * 256 * 4 * 0.9  # the state's bytes (random: they do not compress)
 
-    with caplog.at_level(logging.WARNING, logger="trn_accum.train.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="trn_accum.checkpoint.checkpointer"):
         with Checkpointer(str(tmp_path)) as ck:
             assert ck.latest_step() == 2
             restored, meta = ck.restore(abstract_state(jax.device_get(_state(0))))

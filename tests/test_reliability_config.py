@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from trn_accum.train.config import MAX_SEED, ConfigError, load_config
-from trn_accum.train.config_file import read_config_file
+from trn_accum.config.files import read_config_file
+from trn_accum.config.load import MAX_SEED, ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "fuji-tiny.toml"
@@ -114,8 +114,8 @@ def test_check_config_and_train_refuse_with_the_same_line(tmp_path, capsys, case
 
 def test_max_skipped_fraction_is_free_to_change_on_resume():
     """A stop rule, like trainer.stop_after_nonfinite: it does not change the numbers."""
-    from trn_accum.train import drift
-    from trn_accum.train.config import Config, config_to_dict
+    from trn_accum.config import drift
+    from trn_accum.config.load import Config, config_to_dict
 
     defaults = drift.run_record(config_to_dict(Config()), None)
     old = drift.run_record(config_to_dict(load_config(TINY)), None)

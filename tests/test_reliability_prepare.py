@@ -13,7 +13,7 @@ import zipfile
 import pytest
 
 from trn_accum import cli
-from trn_accum.train.sniff import archive_kind, control_fraction
+from trn_accum.data.sniff import archive_kind, control_fraction
 
 TEXT = ("the quick brown fox jumps over the lazy dog.\n" * 50).encode()
 

@@ -1,4 +1,4 @@
-"""The run dir's owner claim and the trajectory record (`trn_accum.train.rundir`, `.drift`):
+"""The run dir's owner claim and the trajectory record (`trn_accum.checkpoint.rundir`, `.drift`):
 create/heartbeat/release, a live owner refused in one line, a killed owner taken over, another
 host's fresh and stale claims, a garbage claim file, the same job waiting for its previous
 start, racing claimants (exactly one wins), a lost claim noticed, the job's ranks (one
@@ -17,9 +17,11 @@ from pathlib import Path
 import pytest
 from multiprocess import cpu_env, run_processes
 
-from trn_accum.train import claim_liveness, drift, rundir
-from trn_accum.train.config import Config, config_to_dict, load_config
-from trn_accum.train.rundir import Claim, RunDirError
+from trn_accum.checkpoint import liveness as claim_liveness
+from trn_accum.checkpoint import rundir
+from trn_accum.checkpoint.rundir import Claim, RunDirError
+from trn_accum.config import drift
+from trn_accum.config.load import Config, config_to_dict, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "fuji-tiny.toml"
@@ -68,7 +70,7 @@ def test_claim_created_refreshed_and_released(tmp_path):
 _HOLDER = textwrap.dedent(
     """
     import sys, time
-    from trn_accum.train.rundir import Claim
+    from trn_accum.checkpoint.rundir import Claim
     c = Claim(sys.argv[1], say=lambda _: None).acquire()
     print("READY", flush=True)
     time.sleep(600)
@@ -185,7 +187,7 @@ def test_same_job_waits_for_its_previous_start(tmp_path, monkeypatch):
 _RACER = textwrap.dedent(
     """
     import sys, time
-    from trn_accum.train.rundir import Claim, RunDirError
+    from trn_accum.checkpoint.rundir import Claim, RunDirError
     start = float(sys.argv[2])
     while time.time() < start:
         time.sleep(0.001)
@@ -248,7 +250,7 @@ _RANKS = textwrap.dedent(
     from trn_accum.cluster import distributed
     distributed.initialize()
     import jax
-    from trn_accum.train import rundir
+    from trn_accum.checkpoint import rundir
     shared, owned, base = sys.argv[1:4]
     rank = jax.process_index()
     c = rundir.claim_for_job(shared, say=lambda _: None)

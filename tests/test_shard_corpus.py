@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 
 from trn_accum import cli
-from trn_accum.train import drift
-from trn_accum.train.config import Config, ConfigError, config_to_dict, load_config
-from trn_accum.train.data import DataError, TokenDataset, make_dataset
-from trn_accum.train.prepare import prepare_data
-from trn_accum.train.token_corpus import TokenCorpus
-from trn_accum.train.tokens import fingerprint, read_meta
+from trn_accum.config import drift
+from trn_accum.config.load import Config, ConfigError, config_to_dict, load_config
+from trn_accum.data.datasets import DataError, TokenDataset, make_dataset
+from trn_accum.data.prepare import prepare_data
+from trn_accum.data.token_corpus import TokenCorpus
+from trn_accum.data.tokens import fingerprint, read_meta
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "fuji-tiny.toml")

@@ -37,8 +37,8 @@ from multiprocess import (
 from slurm_cluster import running_cluster
 from test_shard_corpus import SHARDS, shard_tokens, write_corpus
 
-from trn_accum.train.data import TokenDataset
-from trn_accum.train.prepare import prepare_data
+from trn_accum.data.datasets import TokenDataset
+from trn_accum.data.prepare import prepare_data
 
 SBATCH = REPO / "launch" / "slurm" / "fuji-3b-trn2.sbatch"
 VENV_BIN = Path(sys.executable).parent

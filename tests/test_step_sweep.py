@@ -11,7 +11,7 @@ import pytest
 
 from trn_accum.analysis import platforms
 from trn_accum.analysis.memory import footprint
-from trn_accum.train.config import load_config
+from trn_accum.config.load import load_config
 from trn_accum.train.flops import flops_per_step
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -210,9 +210,9 @@ def test_tiny_train_step_once_reduces_over_nodes_once():
     all-reduce of the node's half across nodes (2 x 1/2 x S/2 on EFA), not a 4-device ring on
     EFA (2 x 3/4 x S); the 8-device group sends a quarter of R across nodes (2 x 1/2 x R/4)."""
     from trn_accum.analysis.memory import tree_shard_bytes
+    from trn_accum.config.load import load_config
     from trn_accum.model import fuji
     from trn_accum.plan import perfmodel
-    from trn_accum.train.config import load_config
 
     cfg = load_config("configs/fuji-tiny.toml", ["trainer.accum_steps=2"])
     layout = steptime.Layout(devices_per_node=4, devices_per_chip=2)
@@ -251,8 +251,8 @@ def test_the_pick_is_checked_at_full_depth_and_gives_way_when_it_does_not_fit(mo
     budget: it is marked so ("fits" False, "memory_bytes_full_depth") and the next pick, k=2
     per_minibatch, is compiled at full depth too, fits, and is recommended. Full-depth
     compiles: those two only."""
+    from trn_accum.config.load import load_config
     from trn_accum.plan import search
-    from trn_accum.train.config import load_config
 
     budget, full = 2 * 2**30, []
 
@@ -291,8 +291,8 @@ def test_explore_tiny_candidates_and_recommendation(monkeypatch):
     k up to k_limit, "once" dropped where there is no data axis, the recommendation at the
     config's node count with its per-node mesh shape, the weak-scaling table, and the dry-run
     lines naming them."""
+    from trn_accum.config.load import load_config
     from trn_accum.plan import search
-    from trn_accum.train.config import load_config
 
     budget = 2 * 2**30  # the tiny config's trainer.memory_budget_gib
 
@@ -363,8 +363,8 @@ def test_explore_tries_attention_blocks_on_the_pick(monkeypatch):
     """With a blocked attention the search tries each other block of `attention_blocks` that
     is at most the sequence, on the recommendation so far; the faster block wins and the pick
     names it (the compiles replaced by a fake summary whose step falls with the block)."""
+    from trn_accum.config.load import load_config
     from trn_accum.plan import search
-    from trn_accum.train.config import load_config
 
     budget = 2 * 2**30
     seen = []
@@ -426,8 +426,8 @@ def test_loss_chunk_loop_trips_do_not_depend_on_the_node_count():
     "nodes" of 4 devices with the same per-device batch (weak scaling), so one compile prices
     any node count; the chunk loop is there: 64 tokens per device row / 16 = 4 trips x
     rows."""
+    from trn_accum.config.load import load_config
     from trn_accum.plan import perfmodel
-    from trn_accum.train.config import load_config
 
     layout = steptime.Layout(devices_per_node=4, devices_per_chip=2)
     trips = {}
@@ -486,8 +486,8 @@ def test_compile_ks_are_the_analytic_fits_or_else_the_largest_k():
 def test_the_configs_own_mesh_is_a_candidate_only_where_no_named_mesh_has_its_shape():
     """The 3B's mesh is hybrid-m2 on its 32 nodes (no second name for it); the 4-layer proxy's
     one device is a shape no trn2 mesh has, so the search gets "config" (else nothing there)."""
+    from trn_accum.config.load import load_config
     from trn_accum.plan.search import with_config_mesh
-    from trn_accum.train.config import load_config
 
     f3b = load_config("configs/fuji-3b-trn2.toml")
     assert with_config_mesh(f3b, rec.MESHES, 64 * 32) == rec.MESHES

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import pytest
 
 from trn_accum.analysis import target_memory
-from trn_accum.analysis.hlo import parse_hlo
+from trn_accum.analysis.hlo.module import parse_hlo
 from trn_accum.analysis.live_bytes import donated_parameters, peak_live_bytes
 from trn_accum.analysis.memory import compiled_memory, footprint
 
@@ -113,7 +113,7 @@ def _loop(wb: str, trips: int = 4, w: str = "f32") -> int:
 
 
 def test_loop_invariant_work_is_done_once_and_held_through_the_loop():
-    """XLA's loop-invariant code motion (trn_accum/analysis/loop_invariant.py), worked out by
+    """XLA's loop-invariant code motion (trn_accum/analysis/hlo/loop_invariant.py), worked out by
     hand. The loop state is i (4 B), w (16 KiB), x and acc (8 + 16 KiB); the body's peak is at
     %acc2, where x is dead: i, w, acc, y (8 KiB) and acc2 (16 KiB), 56 KiB + 4."""
     # the bf16 copy of w is computed once, before the loop, and held through it: + 8 KiB

@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from trn_accum.analysis import hlo
+from trn_accum.analysis.hlo import module as hlo
+from trn_accum.config.load import load_config
 from trn_accum.train import loop, step
-from trn_accum.train.config import load_config
 from trn_accum.train.flops import flops_per_step
 from trn_accum.train.metrics import read_metrics
 

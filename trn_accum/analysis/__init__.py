@@ -1,1 +1,1 @@
-"""Analysis of compiled programs: the HLO parser, and the accum-steps search."""
+"""Models that price a compiled program: step time, memory, collectives (`hlo/` reads it)."""

@@ -11,7 +11,7 @@ about log2(#candidates) + 1 compiles:
 
 A "measure" maps k to bytes per device; this module compiles nothing, so the search is tested
 with injected measures. The measure the trainer and the dry-run use compiles the real
-train step: `trn_accum.train.autok.CompiledMemory`. `extrapolate` is the straight line through
+train step: `trn_accum.plan.autok.CompiledMemory`. `extrapolate` is the straight line through
 two reduced depths it uses when a full-depth compile is slow:
 
     bytes(L) = bytes(L2) + (bytes(L2) - bytes(L1)) / (L2 - L1) * (L - L2)

@@ -13,8 +13,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from trn_accum.analysis.hlo import HloModule, Instruction, parse_hlo
-from trn_accum.analysis.replica_groups import (
+from trn_accum.analysis.hlo.module import HloModule, Instruction, parse_hlo
+from trn_accum.analysis.hlo.replica_groups import (
     group_axes,
     parse_replica_groups,
     parse_source_target_pairs,

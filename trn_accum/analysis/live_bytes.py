@@ -1,5 +1,5 @@
 """Peak live bytes of an HLO module in its own dtypes: a target's footprint read from the module
-the SPMD partitioner hands every backend (`trn_accum.analysis.partitioned`), before XLA:CPU's
+the SPMD partitioner hands every backend (`trn_accum.analysis.hlo.partitioned`), before XLA:CPU's
 float normalization widens bf16 arithmetic to float32.
 
 The model, per computation (calls inlined, as XLA inlines them before fusing), in the order
@@ -22,10 +22,10 @@ instructions, the one that frees the most bytes net of what it allocates):
   sinking), any initial broadcast of a loop that runs once (the loop is inlined; a zero
   accumulator fuses into its first sum); a conditional adds its largest branch's peak;
 - work a loop body does on loop state it hands back unchanged is done once, before the loop
-  (`trn_accum.analysis.loop_invariant`: XLA's loop-invariant code motion), and its results
+  (`trn_accum.analysis.hlo.loop_invariant`: XLA's loop-invariant code motion), and its results
   that work left in the loop reads live through the whole loop (a k > 1 step holds the
   bfloat16 copy of the weights through its accumulation loop);
-- calls are inlined first (`trn_accum.analysis.fusion`): what a `call` reads is read by what
+- calls are inlined first (`trn_accum.analysis.hlo.fusion`): what a `call` reads is read by what
   its callee does with it, and an element of a callee's result tuple by what the caller does
   with it (a `jnp.where`'s mask fuses into its select; a forward's elementwise residual into
   the backward's dots that read it).
@@ -41,8 +41,8 @@ import functools
 import re
 from collections.abc import Mapping, Sequence
 
-from trn_accum.analysis import loop_invariant as licm
-from trn_accum.analysis.fusion import (
+from trn_accum.analysis.hlo import loop_invariant as licm
+from trn_accum.analysis.hlo.fusion import (
     CONSUMERS,
     FUSIBLE,
     add_root_readers,
@@ -50,9 +50,9 @@ from trn_accum.analysis.fusion import (
     fused_into_users,
     reader_opcodes,
 )
-from trn_accum.analysis.hlo import HloModule, parse_hlo
-from trn_accum.analysis.hlo_ir import Computation, Instruction
-from trn_accum.analysis.hlo_text import parse_type, split_top_level, tuple_arity
+from trn_accum.analysis.hlo.ir import Computation, Instruction
+from trn_accum.analysis.hlo.module import HloModule, parse_hlo
+from trn_accum.analysis.hlo.text import parse_type, split_top_level, tuple_arity
 
 __all__ = ["donated_parameters", "peak_live_bytes"]
 

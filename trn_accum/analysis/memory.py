@@ -2,7 +2,7 @@
 estimate of one minibatch of the Fuji step (what the compiled CPU figures are read against).
 
 Functions take shapes, PartitionSpecs and a config object (anything with `.model` and `.data`
-shaped like `trn_accum.train.config.Config`); nothing is compiled.
+shaped like `trn_accum.config.load.Config`); nothing is compiled.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Every op of a partitioned train step priced at what the hardware achieves, not at peak.
 
-Input: the module right after XLA's SPMD partitioner (`trn_accum.analysis.partitioned`): shard
+Input: the module right after XLA's SPMD partitioner (`trn_accum.analysis.hlo.partitioned`): shard
 shapes, the dtypes the program wrote, no backend fusion. Each reachable instruction counts as
 many times as it runs (`HloModule.trip_multiplier`, loops' trip counts included) in the
 features (`op_features`), per device and step (the partitioner's sharding names,
@@ -34,7 +34,7 @@ features (`op_features`), per device and step (the partitioner's sharding names,
   in the time it takes;
 - `unfused_kernel_bytes`: the bytes of the kernel ops that no backend fuses (gathers,
   scatters, dynamic updates, sorts, custom calls; not the slices, transposes and
-  concatenations a fusion reads through, `trn_accum.analysis.fusion.FUSIBLE`), for
+  concatenations a fusion reads through, `trn_accum.analysis.hlo.fusion.FUSIBLE`), for
   pricing at the measured bandwidth;
 - `offchip_elementwise_bytes`: of the elementwise result bytes above (in and out of loops),
   those of results at least as large as the core's on-chip memory (`Efficiency.onchip_bytes`;
@@ -71,9 +71,9 @@ import math
 from collections.abc import Mapping
 
 from trn_accum.analysis.collectives import COLLECTIVE_KINDS
-from trn_accum.analysis.fusion import FUSIBLE
-from trn_accum.analysis.hlo import HloModule, Instruction
-from trn_accum.analysis.hlo_text import names_in
+from trn_accum.analysis.hlo.fusion import FUSIBLE
+from trn_accum.analysis.hlo.module import HloModule, Instruction
+from trn_accum.analysis.hlo.text import names_in
 from trn_accum.analysis.rates import Rates, dot_efficiency, dot_shape
 
 __all__ = [

@@ -12,7 +12,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 
-from trn_accum.analysis.hlo import HloModule, Instruction
+from trn_accum.analysis.hlo.module import HloModule, Instruction
 
 __all__ = ["Rates", "dot_efficiency", "dot_shape"]
 

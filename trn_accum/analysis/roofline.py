@@ -1,9 +1,9 @@
 """A train step priced kernel by kernel, each at its own roofline, at rates measured on the chip:
 the step-time model's check of what fusion leaves (`benchmarks/calibrate.py --roofline`).
 
-Input: the module the backend receives (`trn_accum.analysis.partitioned`: shard shapes, the
+Input: the module the backend receives (`trn_accum.analysis.hlo.partitioned`: shard shapes, the
 dtypes the program wrote, nothing fused yet). `fusions(module)` fuses it by the rule the
-memory estimate uses (`trn_accum.analysis.fusion.fused_into_users`: an elementwise-like
+memory estimate uses (`trn_accum.analysis.hlo.fusion.fused_into_users`: an elementwise-like
 op read only by ops that take fused inputs has no buffer and runs inside each of them) and
 returns one `Group` per kernel left, counted as many times as it runs
 (`HloModule.trip_multiplier`):
@@ -33,8 +33,8 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 
 from trn_accum.analysis import pricing
-from trn_accum.analysis.fusion import FUSIBLE, fused_into_users
-from trn_accum.analysis.hlo import HloModule, Instruction
+from trn_accum.analysis.hlo.fusion import FUSIBLE, fused_into_users
+from trn_accum.analysis.hlo.module import HloModule, Instruction
 from trn_accum.analysis.rates import Rates, dot_efficiency, dot_shape
 
 __all__ = ["Group", "aggregate", "from_rows", "fusions", "seconds"]

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from trn_accum.analysis.autotune import extrapolate
-from trn_accum.analysis.hlo import HloModule
+from trn_accum.analysis.hlo.module import HloModule
 from trn_accum.neuron import platform
 
 __all__ = ["bounds", "extrapolate_summary", "summarize", "trip_counts"]
@@ -161,7 +161,7 @@ def extrapolate_summary(by_depth: Mapping[int, Mapping[str, Any]], layers: int) 
 def trip_counts(hlo: str | HloModule) -> list[int | None]:
     """The trip count of every `while` loop of a program (None: unknown), sorted: equal lists
     for the same program at two node counts are what lets one compile stand for another."""
-    from trn_accum.analysis.hlo import parse_hlo
+    from trn_accum.analysis.hlo.module import parse_hlo
 
     module = hlo if isinstance(hlo, HloModule) else parse_hlo(hlo)
     trips = (w.trip_count or module.counted_trips(w) for w in module.while_loops())

@@ -49,7 +49,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 from trn_accum.analysis.collectives import Collective, collectives, group_axes
-from trn_accum.analysis.hlo import HloModule
+from trn_accum.analysis.hlo.module import HloModule
 from trn_accum.neuron import platform
 
 __all__ = [

@@ -111,7 +111,7 @@ def compiled_peak(stats: Any, mem: dict[str, int] | None) -> int | None:
 def backend_peak(compiled: Any) -> int | None:
     """`compiled_peak` of a compiled program on the backend that compiled it (None where it
     reports no memory analysis): what the trainer's "compiled" figure and its fallback read
-    (`trn_accum.train.autok`), the TPU compiler's peak on a TPU, the sum on XLA:CPU (whose
+    (`trn_accum.plan.autok`), the TPU compiler's peak on a TPU, the sum on XLA:CPU (whose
     analysis has no peak)."""
     try:
         stats = compiled.memory_analysis()
@@ -128,7 +128,7 @@ def estimate(
 ) -> dict[str, Any]:
     """{"bytes", "source"}: the platform's compiler's figure where `tpu_devices` finds one
     (and `lower` is given), else the peak live bytes of `partitioned` (the HLO text after the
-    SPMD partitioner, `trn_accum.analysis.partitioned`)."""
+    SPMD partitioner, `trn_accum.analysis.hlo.partitioned`)."""
     devices = tpu_devices(platform_name, n_devices) if lower is not None else None
     if devices is not None:
         return {"bytes": tpu_footprint(lower, devices), "source": SOURCE_TPU}

@@ -9,7 +9,7 @@ from trn_accum.errors import EXIT_OK
 
 
 def _cmd_prepare_data(args) -> int:
-    from trn_accum.train.prepare import interrupted_files, parse_shard, prepare_data
+    from trn_accum.data.prepare import interrupted_files, parse_shard, prepare_data
 
     shard = parse_shard(args.shard) if args.shard is not None else None
 

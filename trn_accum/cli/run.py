@@ -24,6 +24,7 @@ def _profile_range(text: str) -> tuple[int, int]:
 def _cmd_train(args) -> int:
     profile = _profile_range(args.profile) if args.profile else None
     try:
+        from trn_accum.plan import autosettings
         from trn_accum.train import loop
     except ImportError as e:  # a broken install on one node: its job's ranks hear of it
         from trn_accum.cluster.distributed import fail_startup
@@ -39,6 +40,7 @@ def _cmd_train(args) -> int:
         run_dir=run_dir,
         profile=profile,
         allow_config_change=args.allow_config_change,
+        settings=autosettings.resolve_for_run,
     )
 
 
@@ -73,7 +75,7 @@ def check_train_args(train_args: list[str], *, only_config_args: bool = False):
     """(config path, Config): what `trn-accum train TRAIN_ARGS` refuses in its parser and config
     loader, refused now (one line, exit 2). only_config_args: read only --config and --set (the
     rest belong to a substituted trainer, e.g. the Slurm script's TRN_ACCUM_TRAIN)."""
-    from trn_accum.train.config import load_config
+    from trn_accum.config.load import load_config
 
     if only_config_args:
         parser = Parser(prog=f"{PROG} train")
@@ -90,7 +92,7 @@ def _cmd_check_config(args) -> int:
     overrides = sum(a == "--set" or a.startswith("--set=") for a in train_args)
     where = "; mesh and batch split not checked (pass --devices N)"
     if args.devices or not (args.only_config_args or os.environ.get("SLURM_JOB_ID")):
-        from trn_accum.train import mesh_rules
+        from trn_accum.config import mesh_rules
 
         where = f" on {mesh_rules.check_start(cfg, args.devices)} devices"  # as `train` at start
     print(f"{PROG} check-config: {config} with {overrides} --set override(s): ok{where}")

@@ -9,7 +9,7 @@ assembled on the host (one at a time, float32) and placed in its sharding; the o
 is created on the devices.
 
 `export_hf` restores only the parameters of the newest committed checkpoint, read-only
-(`trn_accum.train.ckpt_reader`: beside a live trainer, on a run dir it cannot write), sharded
+(`trn_accum.checkpoint.reader`: beside a live trainer, on a run dir it cannot write), sharded
 into the run's mesh (orbax reads each shard into place; the optimizer state is skipped), then
 writes one parameter at a time: gathered to the host once, cut into per-layer HF tensors in
 the output dtype, written shard by shard into a directory that replaces OUT_DIR whole
@@ -28,14 +28,16 @@ import numpy as np
 from jax.experimental import multihost_utils
 from safetensors import SafetensorError
 
+from trn_accum.checkpoint import reader as ckpt_reader
+from trn_accum.checkpoint import rundir
+from trn_accum.checkpoint.checkpointer import Checkpointer, make_writable_dir
+from trn_accum.config import drift
+from trn_accum.config.load import Config, config_from_dict, layout_config, load_config
 from trn_accum.errors import EXIT_SAVE_FAILED
 from trn_accum.interop import generation, hf_io, llama, validate
 from trn_accum.interop.llama import InteropError
 from trn_accum.model import fuji
-from trn_accum.train import ckpt_reader, drift, rundir
 from trn_accum.train import step as train_step
-from trn_accum.train.checkpoint import Checkpointer, make_writable_dir
-from trn_accum.train.config import Config, config_from_dict, load_config
 from trn_accum.train.trainer import Trainer
 
 
@@ -134,7 +136,8 @@ def import_hf(hf_dir: str, config_path: str, overrides: Sequence[str], run_dir: 
     files = check_checkpoint(hf_dir, cfg.model)
     gen = generation.from_hf(hf_dir, cfg.model.vocab_size)  # for export-hf: token ids
     _refuse_existing(run_dir)
-    trainer = Trainer.build(cfg)  # the mesh, data and state layout the trainer uses
+    # the mesh, data and state layout the trainer uses ("auto" settings do not change it)
+    trainer = Trainer.build(layout_config(cfg))
     shardings = trainer.state_shardings
     params = jax.tree_util.tree_map_with_path(
         lambda p, sharding: _place(read_param(files, _keypath(p), cfg.model), sharding),
@@ -195,7 +198,7 @@ def _read_params(run_dir: str, step_dir: str) -> tuple[Config, jax.sharding.Mesh
 
 def restore_params(run_dir: str) -> tuple[Config, jax.sharding.Mesh, dict, int]:
     """(the run's config, its mesh on these devices, the newest committed checkpoint's
-    parameters sharded as in training, that step). Read-only (`trn_accum.train.ckpt_reader`):
+    parameters sharded as in training, that step). Read-only (`trn_accum.checkpoint.reader`):
     safe beside a trainer that is writing the run, and on a run dir it cannot write."""
     directory = os.path.join(run_dir, "checkpoints")
     if not os.path.isdir(directory):

@@ -64,7 +64,7 @@ def read_tokens(path: str, vocab_size: int) -> np.ndarray:
 
 
 def token_batch(tokens: np.ndarray) -> dict[str, np.ndarray]:
-    """The trainer's batch (`trn_accum.train.data`) of next-token targets of tokens [N, S]:
+    """The trainer's batch (`trn_accum.data.datasets`) of next-token targets of tokens [N, S]:
     arrays [N, S - 1]; padding (negative ids) is input 0 with target mask 0."""
     pad = tokens < 0
     return {

@@ -18,9 +18,9 @@ from __future__ import annotations
 import json
 import os
 
+from trn_accum.checkpoint import rundir
 from trn_accum.interop import hf_io
 from trn_accum.interop.llama import InteropError
-from trn_accum.train import rundir
 
 FILE = "hf_generation.json"
 TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")

@@ -66,7 +66,7 @@ LAYER_LOOPS = ("scan", "unroll")
 REMAT_POLICIES = ("none", "full", "save_qkvo", "save_attention")
 AUTO = "auto"  # model.remat / model.loss_chunk: resolved before the model is built
 _UNRESOLVED = (
-    '{key} = "auto" is chosen before the step is built (trn_accum.train.autosettings.resolve, '
+    '{key} = "auto" is chosen before the step is built (trn_accum.plan.autosettings.resolve, '
     "which the trainer and the dry-run call); set a value to build the model directly"
 )
 # "fan_in": std 1/sqrt(fan) per matrix, the reference's rule (AXLearn's golden init config for
@@ -76,7 +76,7 @@ INITS = ("fan_in", "normal")
 
 
 def _choices(*allowed: str) -> dict:
-    """Field metadata read by `trn_accum.train.config`: the allowed values of a string key."""
+    """Field metadata read by `trn_accum.config.load`: the allowed values of a string key."""
     return {"choices": allowed}
 
 
@@ -112,7 +112,7 @@ class ModelConfig:
     # none | full | save_qkvo (reference: keep the q/k/v/o projections and attention context)
     # | save_attention (save_qkvo and the attention's output and log-sum-exp: no second forward)
     # "auto": chosen with trainer.accum_steps from memory before the step is built
-    # (trn_accum.train.autosettings), as is loss_chunk = "auto"
+    # (trn_accum.plan.autosettings), as is loss_chunk = "auto"
     remat: str = field(default="none", metadata=_choices(*REMAT_POLICIES, AUTO))
     attention: str = field(default="plain", metadata=_choices(*ATTENTION_IMPLS))
     attention_block: int = 512  # block size of blockwise / flash attention

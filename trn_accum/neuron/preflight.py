@@ -1,7 +1,7 @@
 """Neuron preflight: read a compiled HLO module and flag what the Neuron compiler rejects.
 
 ``preflight(hlo_text)`` reads an HLO module (``compiled.as_text()`` of a program compiled on
-CPU, or the unoptimised ``lowered.as_text(dialect="hlo")``) with `trn_accum.analysis.hlo` and
+CPU, or the unoptimised ``lowered.as_text(dialect="hlo")``) with `trn_accum.analysis.hlo.module` and
 reports, against the limitations listed on the Neuron docs page "JAX NeuronX Known Issues":
 
 blockers
@@ -43,7 +43,7 @@ import dataclasses
 import re
 from collections.abc import Sequence
 
-from trn_accum.analysis import hlo as hlo_lib
+from trn_accum.analysis.hlo import module as hlo_lib
 from trn_accum.neuron import lowering
 
 BLOCKER = "blocker"

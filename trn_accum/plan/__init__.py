@@ -1,3 +1,3 @@
-"""What compiles the trainer's step without training it: the dry-run (`dryrun`), the trn2
-step-time model and its search (`perfmodel`), and the first-node hardware check
-(`neuron_check`, its rows in `node_rows`). Auto k stays in `train/` (the trainer runs it)."""
+"""What compiles the trainer's step without training it: the dry-run (`dryrun`), the step-time
+model and its search (`perfmodel`, `search`), the choice of k, remat and loss chunk
+(`autok`, `autosettings`), and the first-node hardware check (`neuron_check`)."""

@@ -39,9 +39,10 @@ from typing import Any
 
 import jax
 
-from trn_accum.analysis import hlo as hlo_lib
 from trn_accum.analysis import platforms, target_memory
 from trn_accum.analysis.collectives import count_collectives
+from trn_accum.analysis.hlo import module as hlo_lib
+from trn_accum.analysis.hlo.partitioned import compile_partitioned
 from trn_accum.analysis.memory import (
     GIB,
     activation_estimate,
@@ -51,16 +52,15 @@ from trn_accum.analysis.memory import (
     gather_once_bytes,
     state_shard_bytes,
 )
-from trn_accum.analysis.partitioned import compile_partitioned
+from trn_accum.config.load import load_config
 from trn_accum.core.mesh import resolve_axes
 from trn_accum.core.split import split_minibatches
 from trn_accum.errors import UserError, one_line
 from trn_accum.model import fuji
 from trn_accum.neuron import kernels, platform, preflight
-from trn_accum.plan import perfmodel, perfmodel_cli
+from trn_accum.plan import autosettings, perfmodel, perfmodel_cli
 from trn_accum.plan.dryrun_report import format_report
-from trn_accum.train import autosettings, step
-from trn_accum.train.config import load_config
+from trn_accum.train import step
 from trn_accum.train.flops import flops_per_step
 
 __all__ = ["DryRunError", "format_report", "preflight_findings", "run", "substitutions"]

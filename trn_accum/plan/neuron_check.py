@@ -48,6 +48,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 
+from trn_accum.config.load import load_config
 from trn_accum.errors import EXIT_FAILED, EXIT_OK
 from trn_accum.neuron import platform
 from trn_accum.plan import node_rows
@@ -72,7 +73,6 @@ from trn_accum.plan.runtime_rows import (
     row_psum,
     row_psum_procs,
 )
-from trn_accum.train.config import load_config
 
 __all__ = ["ROWS", "SHARP", "Check", "Row", "exit_code", "format_report", "run"]
 

@@ -10,13 +10,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from trn_accum.config.load import Config
 from trn_accum.model import attention as attn_lib
 from trn_accum.model import fuji
 from trn_accum.neuron import kernels, lowering
 from trn_accum.plan import node_rows
 from trn_accum.plan.node_rows import FAIL, PASS, RTOL, RTOL_BF16, compare_attention, max_rel
 from trn_accum.plan.probe import Check
-from trn_accum.train.config import Config
 
 
 def _close(a: float, b: float, rtol: float) -> bool:

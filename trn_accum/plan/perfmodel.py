@@ -6,7 +6,7 @@ nodes = the config's and 1, k over the values that fit, reduce both ways) this c
 real train step (`trn_accum.train.step.build_step`, abstract state and batch, the attention
 the config ships) on `min(nodes, emulate_nodes)` emulated nodes of `layout.devices_per_node`
 CPU devices each, with the per-device batch of the real run, and reads the module right after
-XLA's SPMD partitioner (`trn_accum.analysis.partitioned`). The floor: its collectives priced
+XLA's SPMD partitioner (`trn_accum.analysis.hlo.partitioned`). The floor: its collectives priced
 on the full mesh's peak links (`trn_accum.analysis.steptime`: the axes' real sizes, the link
 of each group) and its dot FLOPs at peak. The prediction: every op priced at the platform's
 fitted efficiencies (`trn_accum.analysis.pricing`), collectives on its achieved links. Two
@@ -36,7 +36,8 @@ import jax
 
 from trn_accum.analysis import platforms, pricing, stepsummary, steptime
 from trn_accum.analysis.autotune import extrapolate
-from trn_accum.analysis.hlo import dot_flops, parse_hlo
+from trn_accum.analysis.hlo.module import dot_flops, parse_hlo
+from trn_accum.analysis.hlo.partitioned import compile_partitioned
 from trn_accum.analysis.live_bytes import peak_live_bytes
 from trn_accum.analysis.memory import (
     GIB,
@@ -44,7 +45,6 @@ from trn_accum.analysis.memory import (
     gather_once_bytes,
     state_shard_bytes,
 )
-from trn_accum.analysis.partitioned import compile_partitioned
 from trn_accum.core.mesh import resolve_axes
 from trn_accum.errors import UserError
 from trn_accum.model import fuji

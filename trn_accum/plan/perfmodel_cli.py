@@ -16,9 +16,9 @@ from typing import Any
 
 from trn_accum.analysis import platforms, steptime
 from trn_accum.analysis import recommend as rec
+from trn_accum.config.load import load_config
 from trn_accum.plan.perfmodel import EMULATE_NODES, StepTimeError, fitting_k, with_choices
 from trn_accum.plan.search import explore
-from trn_accum.train.config import load_config
 
 
 def run_in_subprocess(

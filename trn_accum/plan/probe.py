@@ -7,7 +7,7 @@ import dataclasses
 
 import jax
 
-from trn_accum.train.config import Config, TrainerConfig
+from trn_accum.config.load import Config, TrainerConfig
 
 
 class Check:

@@ -15,10 +15,10 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from trn_accum.checkpoint.checkpointer import Checkpointer
 from trn_accum.neuron import platform
 from trn_accum.plan.node_rows import FAIL, PASS, SKIP
 from trn_accum.plan.probe import Check
-from trn_accum.train.checkpoint import Checkpointer
 
 
 def row_platform(c: Check) -> tuple[str, str]:

@@ -16,6 +16,7 @@ from typing import Any
 from trn_accum.analysis import platforms, steptime
 from trn_accum.analysis import recommend as rec
 from trn_accum.analysis.memory import GIB
+from trn_accum.config.mesh_rules import BATCH_AXES
 from trn_accum.core.batch_rules import divisibility_error
 from trn_accum.core.mesh import resolve_axes
 from trn_accum.model import fuji
@@ -30,7 +31,6 @@ from trn_accum.plan.perfmodel import (
     predict,
     with_choices,
 )
-from trn_accum.train.mesh_rules import BATCH_AXES
 
 # model.attention_block values the search tries (with blockwise or flash attention): on a TPU
 # v5e 512 and 1024 were the fastest in the 4-layer proxy's step and in attention alone, 2048

@@ -1,1 +1,1 @@
-"""The trainer: config, the compiled step, the loop, data, checkpoints, optimizer, metrics."""
+"""The trainer: the compiled step, the loop, optimizer, metrics, stop rules, preemption."""

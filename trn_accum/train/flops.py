@@ -3,8 +3,8 @@ trainer's log, the dry-run and the step-time model read it here)."""
 
 from __future__ import annotations
 
+from trn_accum.config.load import Config
 from trn_accum.model import fuji
-from trn_accum.train.config import Config
 
 
 def flops_per_step(cfg: Config, global_batch: int | None = None) -> dict[str, float]:

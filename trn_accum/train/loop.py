@@ -11,8 +11,8 @@ SIGTERM/SIGINT set a flag (`trn_accum.train.preemption.Preemption`); all process
 step, save it, and exit `EXIT_PREEMPTED`.
 
 The run dir is claimed for this job before anything in it is written, and the config is
-checked against the one the resumed checkpoint was trained with (`trn_accum.train.rundir`,
-`trn_accum.train.drift`).
+checked against the one the resumed checkpoint was trained with (`trn_accum.checkpoint.rundir`,
+`trn_accum.config.drift`).
 At every step boundary the processes agree, in one all-gather, on whether to stop: a signal
 (save, exit 75), a background checkpoint save that failed (exit 74, previous checkpoint
 intact), a lost claim, or the last `trainer.stop_after_nonfinite` steps (all of them in a
@@ -33,14 +33,16 @@ from typing import Any
 
 import jax
 
+from trn_accum.checkpoint import rundir
+from trn_accum.checkpoint.checkpointer import Checkpointer, make_writable_dir
 from trn_accum.cluster import distributed
+from trn_accum.config import drift
+from trn_accum.config.load import Config, config_to_dict, load_config
+from trn_accum.data import datasets as data_lib
 from trn_accum.errors import EXIT_PREEMPTED, UserError
 from trn_accum.model import fuji
 from trn_accum.neuron import platform
-from trn_accum.train import data as data_lib
-from trn_accum.train import drift, rundir, step
-from trn_accum.train.checkpoint import Checkpointer, make_writable_dir
-from trn_accum.train.config import Config, config_to_dict, load_config
+from trn_accum.train import step
 from trn_accum.train.flops import flops_per_step
 from trn_accum.train.metrics import (
     MetricsError,
@@ -51,9 +53,9 @@ from trn_accum.train.metrics import (
 )
 from trn_accum.train.preemption import Preemption, exit_now_if_abandoned, run_unless_signalled
 from trn_accum.train.stop_rules import NonfiniteWatch, check_problems
-from trn_accum.train.trainer import Trainer, resolve_accum_steps
+from trn_accum.train.trainer import Settings, Trainer
 
-__all__ = ["Trainer", "resolve_accum_steps", "run"]
+__all__ = ["Trainer", "run"]
 
 
 def _prepare_run_dir(run_dir: str) -> None:
@@ -84,14 +86,18 @@ def run(
     profile: tuple[int, int] | None = None,
     console=None,
     allow_config_change: Sequence[str] = (),
+    settings: Settings | None = None,
 ) -> int:
     """Train (or resume) the run in `run_dir`. Returns 0, or EXIT_PREEMPTED after a save.
 
     `run_dir` holds `checkpoints/` (orbax; the newest committed one is resumed automatically),
-    `metrics.jsonl`, `config.json`, `owner.json` while a trainer runs (`trn_accum.train.rundir`),
-    `config_changes.jsonl` once a change of a trajectory key was allowed
+    `metrics.jsonl`, `config.json`, `owner.json` while a trainer runs
+    (`trn_accum.checkpoint.rundir`), `config_changes.jsonl` once a change of a trajectory key
+    was allowed
     (`allow_config_change`: keys or sections) and, with `profile=(start, stop)`, `profile/` (a
     jax.profiler trace of the steps numbered start..stop-1, numbered as logged: from 1).
+    `settings` chooses the config's "auto" settings on the mesh (`Trainer.build`; `trn-accum
+    train` hands in `trn_accum.plan.autosettings.resolve_for_run`).
     """
     try:
         cfg = load_config(config_path, overrides)
@@ -105,7 +111,15 @@ def run(
     # SIGTERM/SIGINT only set a flag from here on (restore and compile can take minutes on
     # trn2); the loop turns it into a save and EXIT_PREEMPTED.
     with Preemption() as pre:
-        code = _run(cfg, pre, run_dir=run_dir, profile=profile, console=console, allowed=allowed)
+        code = _run(
+            cfg,
+            pre,
+            run_dir=run_dir,
+            profile=profile,
+            console=console,
+            allowed=allowed,
+            settings=settings,
+        )
     exit_now_if_abandoned(code)  # a compile abandoned to a signal: no interpreter shutdown
     return code
 
@@ -123,10 +137,11 @@ def _config_changes(record: dict, ckpt, at: int, run_dir: str, allowed: set[str]
     return changes
 
 
-def _run(cfg: Config, pre, *, run_dir: str, profile, console, allowed) -> int:
+def _run(cfg: Config, pre, *, run_dir: str, profile, console, allowed, settings) -> int:
     _prepare_run_dir(run_dir)
     drift.check_same_config(config_to_dict(cfg))  # every rank runs process 0's config
-    trainer = Trainer.build(cfg)  # config, mesh and data errors before the run dir is touched
+    # config, mesh and data errors before the run dir is touched
+    trainer = Trainer.build(cfg, settings=settings)
     cfg = trainer.cfg  # accum_steps = "auto" resolved
     main = jax.process_index() == 0
     total = cfg.trainer.steps

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-KINDS = ("reference", "adamw")
+from trn_accum.config.sections import OPTIMIZER_KINDS as KINDS
 
 
 def lr_multiplier(*, warmup_steps: int, total_steps: int, end_fraction: float) -> optax.Schedule:

@@ -19,7 +19,7 @@ step is jitted with in/out shardings stated and the state donated, and traced un
 
 `build_step(cfg, mesh)` is the one place that turns a config into that program (`StepProgram`:
 optimizer, parameter and state shardings, abstract inputs, the jitted step). The trainer's
-mesh and batch rules live in `trn_accum.train.mesh_rules` (re-exported here), the FLOP count
+mesh and batch rules live in `trn_accum.config.mesh_rules` (re-exported here), the FLOP count
 in `trn_accum.train.flops`.
 """
 
@@ -35,13 +35,8 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from trn_accum.core.accumulate import accumulate_gradients
-from trn_accum.core.split import split_minibatches
-from trn_accum.core.strategy import Strategy
-from trn_accum.model import fsdp, fuji
-from trn_accum.train import optim
-from trn_accum.train.config import Config
-from trn_accum.train.mesh_rules import (
+from trn_accum.config.load import Config
+from trn_accum.config.mesh_rules import (
     BATCH_AXES,
     TrainError,
     batch_shards,
@@ -52,6 +47,11 @@ from trn_accum.train.mesh_rules import (
     make_mesh,
     mesh_shape,
 )
+from trn_accum.core.accumulate import accumulate_gradients
+from trn_accum.core.split import split_minibatches
+from trn_accum.core.strategy import Strategy
+from trn_accum.model import fsdp, fuji
+from trn_accum.train import optim
 
 __all__ = [  # the mesh rules are re-exported: callers say step.make_mesh, step.TrainError
     "BATCH_AXES",

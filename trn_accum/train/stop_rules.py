@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from trn_accum.checkpoint import rundir
+from trn_accum.checkpoint.checkpointer import CheckpointError
+from trn_accum.config.load import Config
+from trn_accum.config.mesh_rules import TrainError
 from trn_accum.errors import EXIT_SAVE_FAILED
-from trn_accum.train import rundir
-from trn_accum.train.checkpoint import CheckpointError
-from trn_accum.train.config import Config
-from trn_accum.train.mesh_rules import TrainError
 from trn_accum.train.metrics import MetricsError, read_metrics, trailing_skipped
 
 

@@ -1,7 +1,8 @@
 """What a run builds from its config on the current devices: the `Trainer` (the compiled train
-step and its shardings, the eval step, the dataset, the auto-k result).
+step and its shardings, the eval step, the dataset, the settings search's result).
 
-    trainer = Trainer.build(cfg)           # mesh, accum_steps, the compiled step, the data
+    trainer = Trainer.build(cfg)           # mesh, the compiled step, the data
+    trainer = Trainer.build(cfg, settings=resolve)  # "auto" settings chosen on the mesh first
     state = trainer.init()                 # or restored from the newest checkpoint
     state, metrics = trainer.step(state, trainer.batch(i))
 """
@@ -10,24 +11,20 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
 
+from trn_accum.config import drift, mesh_rules
+from trn_accum.config.load import Config, auto_keys, config_to_dict
+from trn_accum.data import datasets as data_lib
 from trn_accum.neuron import lowering
-from trn_accum.train import autosettings, drift, mesh_rules, step
-from trn_accum.train import data as data_lib
-from trn_accum.train.config import Config, config_to_dict
+from trn_accum.train import step
 
-
-def resolve_accum_steps(cfg: Config, mesh: jax.sharding.Mesh) -> tuple[Config, Any]:
-    """(cfg with each "auto" of trainer.accum_steps, model.remat and model.loss_chunk replaced
-    by what fits trainer.memory_budget_gib per device, the search's result); (cfg, None) when
-    none is "auto" (`trn_accum.train.autosettings`)."""
-    # Every process must pick the same k: compiled bytes agree everywhere, a choice of depth
-    # by measured compile time ("auto") might not.
-    depth = "auto" if jax.process_count() == 1 else "extrapolate"
-    return autosettings.resolve(cfg, mesh, depth=depth)
+# (config, mesh) -> (config with every "auto" chosen, the search's result for the log). The
+# search lives above the trainer (`trn_accum.plan`): its caller hands it in.
+Settings = Callable[[Config, jax.sharding.Mesh], tuple[Config, Any]]
 
 
 @dataclasses.dataclass
@@ -37,7 +34,7 @@ class Trainer:
     program: step.StepProgram  # the compiled train step and its shardings
     eval_fn: Any
     dataset: Any
-    autotune: Any = None  # the AutotuneResult when trainer.accum_steps was "auto"
+    autotune: Any = None  # the settings search's result when a setting was "auto"
 
     @property
     def cfg(self) -> Config:
@@ -58,7 +55,9 @@ class Trainer:
         return drift.run_record(config_to_dict(self.cfg), fp)
 
     @classmethod
-    def build(cls, cfg: Config, devices=None) -> Trainer:
+    def build(cls, cfg: Config, devices=None, settings: Settings | None = None) -> Trainer:
+        """`settings` chooses every "auto" of `cfg` on the mesh (`trn_accum.plan.autosettings`);
+        without it, a config with one is refused (TrainError, naming the keys)."""
         mesh_rules.check_start(cfg, devices)  # what `trn-accum check-config` checks, the same call
         mesh = mesh_rules.make_mesh(cfg, devices)
         if mesh.devices.flat[0].platform == "neuron":  # remat's identity rounding, not lowered
@@ -73,7 +72,13 @@ class Trainer:
             path=cfg.data.path or None,
             max_seq_len=cfg.model.max_seq_len,
         )
-        cfg, tuned = resolve_accum_steps(cfg, mesh)
+        cfg, tuned = settings(cfg, mesh) if settings is not None else (cfg, None)
+        if auto_keys(cfg):
+            raise mesh_rules.TrainError(
+                f'{", ".join(auto_keys(cfg))} = "auto" is chosen by the settings search, '
+                f"which this caller did not run: run `trn-accum train`, or pass "
+                f"settings=trn_accum.plan.autosettings.resolve_for_run to Trainer.build"
+            )
         program = step.build_step(cfg, mesh)
         return cls(
             program=program,

@@ -24,9 +24,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from trn_accum.core.mesh import check_axis_sizes
-from trn_accum.train.config_file import EXTENDS, ConfigError, read_config_file
-from trn_accum.train.config_sections import (
+from trn_accum.config.files import EXTENDS, ConfigError, read_config_file
+from trn_accum.config.sections import (
     MAX_SEED,
     SECTIONS,
     SHARDING_RULE_SETS,
@@ -38,6 +37,7 @@ from trn_accum.train.config_sections import (
     OptimizerConfig,
     TrainerConfig,
 )
+from trn_accum.core.mesh import check_axis_sizes
 
 __all__ = [
     "ConfigError",
@@ -372,3 +372,32 @@ def _check_config(cfg: Config) -> None:
 
     _require(c.every >= 0, "checkpoint.every", c.every, "must be >= 0 (0 = only at exit)")
     _require(c.keep >= 1, "checkpoint.keep", c.keep, "must be >= 1")
+
+
+AUTO_KEYS = ("trainer.accum_steps", "model.remat", "model.loss_chunk")
+
+
+def auto_keys(cfg: Config) -> list[str]:
+    """The keys of `AUTO_KEYS` that `cfg` leaves "auto" (for the settings search to choose)."""
+    values = {
+        "trainer.accum_steps": cfg.trainer.accum_steps,
+        "model.remat": cfg.model.remat,
+        "model.loss_chunk": cfg.model.loss_chunk,
+    }
+    return [k for k in AUTO_KEYS if values[k] == "auto"]
+
+
+def layout_config(cfg: Config) -> Config:
+    """`cfg` with each "auto" of `AUTO_KEYS` set to the plainest value (k 1, no remat, the whole
+    loss): for readers of a run's state (import-hf), whose shapes and shardings these settings
+    do not change, so that no settings search runs where nothing trains."""
+    t, m = cfg.trainer, cfg.model
+    return dataclasses.replace(
+        cfg,
+        trainer=dataclasses.replace(t, accum_steps=1 if t.accum_steps == "auto" else t.accum_steps),
+        model=dataclasses.replace(
+            m,
+            remat="none" if m.remat == "auto" else m.remat,
+            loss_chunk=0 if m.loss_chunk == "auto" else m.loss_chunk,
+        ),
+    )

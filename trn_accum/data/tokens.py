@@ -9,7 +9,7 @@ Everything read here is treated as possibly garbage or changed under us: `read_m
 every field, the file sizes and the permissions (one-line `DataError`s naming the file, the
 rule and a fix); `TokenFile` reads windows with `os.pread`, so a file that shrinks under a
 running trainer is a short read (a `DataError`), not the SIGBUS a memory map would raise;
-`fingerprint` is the data's identity in the run record (`trn_accum.train.drift`), cheap on
+`fingerprint` is the data's identity in the run record (`trn_accum.config.drift`), cheap on
 large files: the sidecar, both file sizes and sampled blocks of both files.
 """
 

@@ -3,7 +3,7 @@
     prepare_data(["a.txt", "b.jsonl.zst", "c.parquet"], "data/tok", tokenizer="bytes")
 
 writes `tokens.bin` (uint16/uint32 ids), `offsets.npy` (document boundaries) and `meta.json`
-(`trn_accum.train.tokens.read_meta` checks them on load). The input is streamed
+(`trn_accum.data.tokens.read_meta` checks them on load). The input is streamed
 (`corpus_read`) and tokenized across worker processes in input order (`corpus_encode`):
 memory stays bounded whatever the corpus size, and the output is the same bytes at any
 number of workers.
@@ -24,15 +24,15 @@ import sys
 
 import numpy as np
 
-from trn_accum.train.corpus_encode import (
+from trn_accum.data.corpus_encode import (
     EncodeSpec,
     default_workers,
     encode_ordered,
     load_tokenizer,
 )
-from trn_accum.train.corpus_read import CHUNK_BYTES, check_input, tasks
-from trn_accum.train.prepare_progress import Progress
-from trn_accum.train.tokens import FORMAT, META_FILE, OFFSETS_FILE, TOKENS_FILE, DataError
+from trn_accum.data.corpus_read import CHUNK_BYTES, check_input, tasks
+from trn_accum.data.progress import Progress
+from trn_accum.data.tokens import FORMAT, META_FILE, OFFSETS_FILE, TOKENS_FILE, DataError
 
 _TMP = ".tmp"
 #: offsets as raw int64 while they stream in; offsets.npy is written from it at the end

@@ -12,12 +12,12 @@ from typing import Any
 
 import jax
 
+from trn_accum.config.load import Config
 from trn_accum.core.batch_rules import divisibility_error, valid_steps
 from trn_accum.core.mesh import build_mesh, resolve_axes
 from trn_accum.errors import UserError
 from trn_accum.model.sharding import BATCH_AXES
 from trn_accum.neuron import kernels
-from trn_accum.train.config import Config
 
 
 class TrainError(UserError):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from trn_accum.train.tokens import DataError
+from trn_accum.data.tokens import DataError
 
 SPLITS = {"train": 0, "eval": 1}
 

@@ -1,7 +1,7 @@
 """The run configuration's sections as frozen dataclasses, with their defaults and the choice
 lists of their keys (each from the module that implements it): `Config` and one class per
 section ([model], [mesh], [data], [optimizer], [trainer], [checkpoint]). Loading and
-validation live in `trn_accum.train.config`."""
+validation live in `trn_accum.config.load`."""
 
 from __future__ import annotations
 
@@ -10,15 +10,16 @@ from dataclasses import dataclass, field
 from trn_accum.core.strategy import GATHERS, REDUCE_DTYPES
 from trn_accum.core.strategy import LOOPS as ACCUM_LOOPS
 from trn_accum.core.strategy import REDUCES as GRAD_REDUCTIONS
+from trn_accum.data.datasets import DATA_KINDS
 from trn_accum.model.fuji import RULES, ModelConfig
 from trn_accum.neuron.platform import DEVICE_BUDGET_GIB
-from trn_accum.train.data import DATA_KINDS
-from trn_accum.train.optim import KINDS as OPTIMIZER_KINDS
 
 # the trainer's loss gathers per minibatch itself (`train.step.strategy` picks "in_loss")
 TRAINER_GATHERS = tuple(g for g in GATHERS if g != "in_loss")
 
 SHARDING_RULE_SETS = tuple(RULES)
+# [optimizer] kind: what `trn_accum.train.optim.make_optimizer` builds for each
+OPTIMIZER_KINDS = ("reference", "adamw")
 # seeds feed jax.random.key (32 bits are kept on the default PRNG) and numpy's SeedSequence
 # (which refuses negatives): one range for both
 MAX_SEED = 2**32 - 1

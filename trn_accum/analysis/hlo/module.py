@@ -13,7 +13,7 @@ partitioning), so collectives are visible. What this module answers:
   `-start`/`-done` pairs counted once, each with its replica groups decoded from any of the
   printed forms and the bytes of its result.
 
-Replica-group forms handled (`trn_accum.analysis.replica_groups.parse_replica_groups`):
+Replica-group forms handled (`trn_accum.analysis.hlo.replica_groups.parse_replica_groups`):
 
 - explicit lists `{{0,1},{2,3}}`; `{}` = one group of every device;
 - iota lists `[2,4]<=[8]`, `[4,2]<=[2,4]T(1,0)` (groups × group size, from a transposed iota);
@@ -32,8 +32,8 @@ import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from trn_accum.analysis.hlo_ir import Computation, Instruction
-from trn_accum.analysis.hlo_text import (
+from trn_accum.analysis.hlo.ir import Computation, Instruction
+from trn_accum.analysis.hlo.text import (
     ArrayType,
     match_close,
     names_in,

@@ -31,9 +31,9 @@ from typing import TypeVar
 
 import orbax.checkpoint as ocp
 
+from trn_accum.checkpoint.checkpointer import META_ITEM, STATE_ITEM, CheckpointError
+from trn_accum.checkpoint.save_errors import first_line
 from trn_accum.errors import UserError
-from trn_accum.train.checkpoint import META_ITEM, STATE_ITEM, CheckpointError
-from trn_accum.train.ckpt_errors import first_line
 
 T = TypeVar("T")
 TRIES = 3  # reads of the newest step when keep-last-K deletes the one being read

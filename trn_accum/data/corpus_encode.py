@@ -31,9 +31,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from trn_accum.train.corpus_read import Chunk, Task
-from trn_accum.train.sniff import MAX_CONTROL_FRACTION, control_fraction
-from trn_accum.train.tokens import BYTES_EOS_ID, BYTES_VOCAB_SIZE, DataError
+from trn_accum.data.corpus_read import Chunk, Task
+from trn_accum.data.sniff import MAX_CONTROL_FRACTION, control_fraction
+from trn_accum.data.tokens import BYTES_EOS_ID, BYTES_VOCAB_SIZE, DataError
 
 _EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[SEP]")
 

@@ -1,5 +1,5 @@
 """One parsed HLO instruction and one computation (a named list of them): the records
-`trn_accum.analysis.hlo.parse_hlo` builds and `HloModule` holds."""
+`trn_accum.analysis.hlo.module.parse_hlo` builds and `HloModule` holds."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import re
 from collections.abc import Mapping
 
-from trn_accum.analysis.hlo_text import ArrayType, names_in, unquote
+from trn_accum.analysis.hlo.text import ArrayType, names_in, unquote
 
 # Attributes whose values name called computations.
 _CALL_ATTRS = (

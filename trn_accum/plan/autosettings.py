@@ -1,5 +1,5 @@
 """`model.remat = "auto"` and `model.loss_chunk = "auto"`: chosen together with k from the memory
-the step needs, what `trainer.accum_steps = "auto"` does for k alone (`trn_accum.train.autok`).
+the step needs, what `trainer.accum_steps = "auto"` does for k alone (`trn_accum.plan.autok`).
 
 The order is what one TPU v5e chip measured on the 4-layer Fuji proxy (docs/performance.md, "On
 the chip"; rows in benchmarks/measured-tpu-v5e.json): the loss chunk moved the step most (128 ->
@@ -36,6 +36,8 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+import jax
+
 from trn_accum.analysis.autotune import (
     GIB,
     AutotuneError,
@@ -44,7 +46,7 @@ from trn_accum.analysis.autotune import (
     candidate_steps,
     format_bytes,
 )
-from trn_accum.train import autok
+from trn_accum.plan import autok
 from trn_accum.train import step as step_lib
 
 REMAT_ORDER = ("none", "save_attention", "save_qkvo", "full")
@@ -186,6 +188,14 @@ class _CompiledMeasure:
         out = m(k)
         self.method = m.method
         return out
+
+
+def resolve_for_run(cfg, mesh) -> tuple[Any, SettingsResult | AutotuneResult | None]:
+    """`resolve` as a run calls it (`Trainer.build(cfg, settings=resolve_for_run)`): every
+    process must pick the same settings, and compiled bytes agree everywhere; a choice of depth
+    by measured compile time ("auto") might not, so a multi-process run extrapolates."""
+    depth = "auto" if jax.process_count() == 1 else "extrapolate"
+    return resolve(cfg, mesh, depth=depth)
 
 
 def needs_search(cfg) -> bool:

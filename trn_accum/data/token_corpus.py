@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from trn_accum.train.tokens import META_FILE, DataError, TokenFile, fingerprint, read_meta
+from trn_accum.data.tokens import META_FILE, DataError, TokenFile, fingerprint, read_meta
 
 #: sidecar fields every shard of one corpus must share: their ids are one vocabulary
 MUST_AGREE = ("format", "dtype", "vocab_size", "eos_id", "pad_id")

@@ -1,6 +1,6 @@
 """Lexing of HLO text: array types, attribute lists, brackets, names (stdlib only).
 
-The pieces `trn_accum.analysis.hlo` (module structure) and `trn_accum.analysis.collectives`
+The pieces `trn_accum.analysis.hlo.module` (module structure) and `trn_accum.analysis.collectives`
 (replica groups) parse with.
 """
 

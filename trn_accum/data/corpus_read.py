@@ -29,8 +29,8 @@ import zlib
 from collections.abc import Iterable, Iterator
 from typing import NamedTuple
 
-from trn_accum.train.sniff import HEAD_BYTES, archive_kind
-from trn_accum.train.tokens import DataError
+from trn_accum.data.sniff import HEAD_BYTES, archive_kind
+from trn_accum.data.tokens import DataError
 
 #: bytes of text or JSONL per chunk, and per encoder task (a task joins the chunks of small files)
 CHUNK_BYTES = 1 << 18

@@ -5,7 +5,7 @@
 A config file may start with a top-level `extends = "fuji-tiny.toml"` (a path relative to the
 file): its tables' keys override the base file's keys of the same table, and the base may
 extend another file in turn (a cycle is refused). Which sections a config must have, and what
-their keys mean, is `trn_accum.train.config`'s business; every problem here raises
+their keys mean, is `trn_accum.config.load`'s business; every problem here raises
 `ConfigError` with one line naming the file.
 """
 

@@ -31,7 +31,7 @@ else's (this trainer was frozen longer than the bound and was taken over), ``Cla
 says so and the trainer stops at the next step boundary without writing more.
 
 The config the run's trajectory was trained with is the other half of its record:
-``trn_accum.train.drift``.
+``trn_accum.config.drift``.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from trn_accum.checkpoint.liveness import describe, job_id, judge, machine, process_start_ticks
 from trn_accum.errors import EXIT_SAVE_FAILED, UserError
-from trn_accum.train.claim_liveness import describe, job_id, judge, machine, process_start_ticks
 
 CLAIM_FILE = "owner.json"
 CLAIM_FORMAT = "trn_accum.claim/1"

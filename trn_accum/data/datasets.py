@@ -14,8 +14,8 @@ size), so a resumed run sees the batches it would have seen and every process bu
   and padded (minibatches carry unequal numbers of real tokens). No files.
 - ``TokenDataset``: a flat token file (uint16/uint32, read with ``os.pread``), a
   document-offsets file and a JSON sidecar (read as possibly garbage: every field is checked;
-  `trn_accum.train.tokens`), written by ``trn_accum.train.prepare``, or a set of such shard
-  directories read as one stream (`trn_accum.train.token_corpus`); every id of a host batch is
+  `trn_accum.data.tokens`), written by ``trn_accum.data.prepare``, or a set of such shard
+  directories read as one stream (`trn_accum.data.token_corpus`); every id of a host batch is
   checked against the model's vocabulary. Documents are cut into windows of ``seq_len + 1`` tokens
   (neighbours share one token); a short document or last window is padded (``target_mask``
   0). No packing across documents. A held-out set of documents forms the eval split.
@@ -31,11 +31,11 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from trn_accum.train.batches import assemble, check_common, check_rows, check_split
-from trn_accum.train.token_dataset import TokenDataset
-from trn_accum.train.tokens import DataError, check_vocab, read_meta
+from trn_accum.data.batches import assemble, check_common, check_rows, check_split
+from trn_accum.data.token_dataset import TokenDataset
+from trn_accum.data.tokens import DataError, check_vocab, read_meta
 
-__all__ = [  # DataError, check_vocab and read_meta (trn_accum.train.tokens): this API too
+__all__ = [  # DataError, check_vocab and read_meta (trn_accum.data.tokens): this API too
     "BATCH_KEYS",
     "DATA_KINDS",
     "DataError",
@@ -160,7 +160,7 @@ def make_dataset(
     max_seq_len: int | None = None,
 ) -> SyntheticDataset | TokenDataset:
     """``kind`` "synthetic" or "tokens" (then ``path`` = a prepared dir or its meta.json, a glob
-    of shard dirs, or a list of those: `trn_accum.train.token_corpus`).
+    of shard dirs, or a list of those: `trn_accum.data.token_corpus`).
 
     ``vocab_size`` is the model's: synthetic ids stay below it; token data whose vocabulary is
     larger is a ``DataError``.

@@ -12,7 +12,7 @@ how the same math is laid out: accumulation is exact, so ``accum_steps``, ``loop
 the mesh and the device or node count are free too). A key missing from an old record (added
 to the config later) is compared as its default.
 
-The record also holds the data's identity, ``data.fingerprint`` (`trn_accum.train.tokens.
+The record also holds the data's identity, ``data.fingerprint`` (`trn_accum.data.tokens.
 fingerprint` of a prepared token directory; None for synthetic data, which the config fully
 determines): data re-prepared into the same path between two runs is a trajectory change like
 any other (``--allow-config-change data`` or ``data.fingerprint`` accepts it). A record from
@@ -27,8 +27,8 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from trn_accum.checkpoint.rundir import RunDirError, read_json
 from trn_accum.errors import EXIT_SAVE_FAILED, UserError
-from trn_accum.train.rundir import RunDirError, read_json
 
 CONFIG_FILE = "config.json"
 CHANGES_FILE = "config_changes.jsonl"

@@ -35,8 +35,8 @@ from trn_accum.analysis.autotune import (
     candidate_steps,
     extrapolate,
 )
+from trn_accum.analysis.hlo.partitioned import compile_partitioned
 from trn_accum.analysis.live_bytes import peak_live_bytes
-from trn_accum.analysis.partitioned import compile_partitioned
 from trn_accum.analysis.target_memory import backend_peak, refused_bytes
 from trn_accum.neuron.platform import DEVICE_BUDGET_GIB
 from trn_accum.train import step as step_lib

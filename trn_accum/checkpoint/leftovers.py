@@ -9,7 +9,7 @@ progress is written into ``<step>.orbax-checkpoint-tmp`` (older orbax versions a
 renames an old step to ``<step>.orbax-checkpoint-tmp-deleted`` before removing it. A kill in
 either window leaves a full-size copy of the state behind, which no later save reuses (the 3B
 state is 38 GB). The directory belongs to one trainer at a time (the run dir's claim,
-`trn_accum.train.rundir`), so at start every such directory is a leftover: process 0 removes it
+`trn_accum.checkpoint.rundir`), so at start every such directory is a leftover: process 0 removes it
 and logs its path and size. A committed step (a name of digits only) is never touched.
 """
 
@@ -20,7 +20,7 @@ import os
 import re
 import shutil
 
-log = logging.getLogger("trn_accum.train.checkpoint")
+log = logging.getLogger("trn_accum.checkpoint.checkpointer")
 
 TMP_SUFFIX = ".orbax-checkpoint-tmp"  # orbax: TMP_DIR_SUFFIX
 DELETED_SUFFIX = f"{TMP_SUFFIX}-deleted"  # keep-last-K's rename before rmtree

@@ -1,5 +1,5 @@
 """`TokenDataset`: the windows of a prepared token directory, or of a set of shard directories
-read as one (`trn_accum.train.token_corpus`; written by `trn-accum prepare-data`), as the rows
+read as one (`trn_accum.data.token_corpus`; written by `trn-accum prepare-data`), as the rows
 of global batches: documents cut into windows of seq_len + 1 tokens, a seeded held-out set of
 documents for eval, a seeded order per epoch."""
 
@@ -9,9 +9,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from trn_accum.train.batches import SPLITS, assemble, check_common, check_rows, check_split
-from trn_accum.train.token_corpus import TokenCorpus
-from trn_accum.train.tokens import DataError, check_ids, check_vocab
+from trn_accum.data.batches import SPLITS, assemble, check_common, check_rows, check_split
+from trn_accum.data.token_corpus import TokenCorpus
+from trn_accum.data.tokens import DataError, check_ids, check_vocab
 
 
 def document_windows(

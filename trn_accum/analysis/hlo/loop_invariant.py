@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from trn_accum.analysis.hlo_ir import Instruction
+from trn_accum.analysis.hlo.ir import Instruction
 
 __all__ = [
     "NOT_WORTH_HOISTING",

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from trn_accum.analysis.hlo import HloModule
-from trn_accum.analysis.hlo_ir import Computation, Instruction
-from trn_accum.analysis.hlo_text import tuple_arity
+from trn_accum.analysis.hlo.ir import Computation, Instruction
+from trn_accum.analysis.hlo.module import HloModule
+from trn_accum.analysis.hlo.text import tuple_arity
 
 __all__ = [
     "CONSUMERS",

@@ -15,7 +15,7 @@ committed steps only. ``Checkpointer`` additionally lists every step-named direc
 does not count as committed and, when such a step is newer than the newest committed one, logs
 a warning naming it (a save that was killed) and resumes from the newest committed step. At
 start, process 0 removes the ``*.orbax-checkpoint-tmp*`` leftovers of killed saves and deletions
-and logs the bytes freed (`trn_accum.train.ckpt_dir`); a committed step is never touched.
+and logs the bytes freed (`trn_accum.checkpoint.leftovers`); a committed step is never touched.
 
 Keep-last-K is done here, after a commit: only steps older than the newest `keep` committed ones
 are deleted (renamed to ``<step>.orbax-checkpoint-tmp-deleted`` first); one that cannot be is a
@@ -50,15 +50,20 @@ from typing import Any
 
 import jax
 
-from trn_accum.errors import EXIT_SAVE_FAILED, UserError
-from trn_accum.train.ckpt_dir import DELETED_SUFFIX, STEP_DIR, make_writable_dir, remove_leftovers
-from trn_accum.train.ckpt_errors import (
+from trn_accum.checkpoint.leftovers import (
+    DELETED_SUFFIX,
+    STEP_DIR,
+    make_writable_dir,
+    remove_leftovers,
+)
+from trn_accum.checkpoint.save_errors import (
     ORBAX_FILTER,
     drop_closed_loop_errors,
     failure_cause,
     first_line,
 )
-from trn_accum.train.ckpt_shapes import abstract_state, leaf_path, shape_mismatches
+from trn_accum.checkpoint.shapes import abstract_state, leaf_path, shape_mismatches
+from trn_accum.errors import EXIT_SAVE_FAILED, UserError
 
 __all__ = ["CheckpointError", "Checkpointer", "abstract_state", "make_writable_dir"]
 

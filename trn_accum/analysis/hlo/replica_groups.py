@@ -14,7 +14,7 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 
-from trn_accum.analysis.hlo_text import match_close, split_top_level
+from trn_accum.analysis.hlo.text import match_close, split_top_level
 
 
 def parse_source_target_pairs(text: str) -> tuple[tuple[int, int], ...]:
