@@ -1,4 +1,4 @@
-"""analysis.hlo.partitioned: the module after XLA's SPMD partitioner, before XLA:CPU's own passes."""
+"""analysis.hlo.partitioned: the module after the SPMD partitioner, before XLA:CPU's own passes."""
 
 import jax
 import jax.numpy as jnp
