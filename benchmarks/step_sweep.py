@@ -7,9 +7,9 @@ From the repository root, package importable (PYTHONPATH=.), JAX_PLATFORMS unset
 The cases file is a JSON list of {"name", "config", "set": ["section.key=value", ...]}; each case
 is `trn_accum.config.load.load_config(config, set)` (what `trn-accum train --config C --set ...`
 reads), built by the trainer's own `trn_accum.train.trainer.Trainer.build` (mesh, every "auto"
-resolved, the compiled step, the config's data). Opening the chip once
-for every case saves the ~15 s each process pays (measure_tpu.py's one process per config runs
-the trainer whole, data and logging included).
+resolved by the settings search `trn-accum train` runs, the compiled step, the config's data).
+Opening the chip once for every case saves the ~15 s each process pays (measure_tpu.py's one
+process per config runs the trainer whole, data and logging included).
 
 Per case, one JSON line:
 
@@ -42,6 +42,7 @@ from trn_accum.analysis import platforms
 from trn_accum.analysis.memory import compiled_memory, footprint
 from trn_accum.analysis.target_memory import refused_bytes
 from trn_accum.config.load import load_config
+from trn_accum.plan import settings_run
 from trn_accum.train.flops import flops_per_step
 from trn_accum.train.trainer import Trainer
 
@@ -49,7 +50,8 @@ from trn_accum.train.trainer import Trainer
 def run_case(case: dict, steps: int, warmup: int, peak: float) -> dict:
     """One case's row (see module docstring)."""
     # the trainer's own build: mesh, every "auto" resolved, the step, the data
-    trainer = Trainer.build(load_config(case["config"], case.get("set", [])))
+    cfg = load_config(case["config"], case.get("set", []))
+    trainer = Trainer.build(cfg, settings=settings_run.for_run)
     cfg = trainer.cfg
     row = {
         "accum_steps": cfg.trainer.accum_steps,

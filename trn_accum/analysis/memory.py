@@ -21,6 +21,26 @@ from trn_accum.core.specs import drop_axes, spec_axes
 GIB = 1024**3
 
 
+def format_bytes(x: float) -> str:
+    """Bytes in GiB, MiB or KiB (the largest unit of which `x` is at least a tenth), else B."""
+    for unit, scale in (("GiB", GIB), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(x) >= 0.1 * scale:
+            return f"{x / scale:.2f} {unit}"
+    return f"{int(x)} B"
+
+
+def extrapolate(depth_bytes: Mapping[int, int], layers: int) -> int:
+    """The straight line through two compiled depths {L1: b1, L2: b2}, at `layers`:
+    b(L) = b2 + (b2 - b1) / (L2 - L1) x (L - L2), rounded up (per-layer figures of a program
+    too slow to compile at full depth)."""
+    if len(depth_bytes) != 2:
+        raise ValueError(f"extrapolate needs two depths, got {dict(depth_bytes)}")
+    (l1, b1), (l2, b2) = sorted(depth_bytes.items())
+    if l1 == l2:
+        raise ValueError(f"extrapolate needs two different depths, got {dict(depth_bytes)}")
+    return int(math.ceil(b2 + (b2 - b1) / (l2 - l1) * (layers - l2)))
+
+
 def shard_bytes(shape: Sequence[int], dtype, spec: P, mesh_shape: Mapping[str, int]) -> int:
     """Bytes of one device's shard of an array of `shape` under `spec` on a mesh of that shape
     (a dimension not divisible by its axes is padded, as XLA does)."""

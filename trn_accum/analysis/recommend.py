@@ -13,8 +13,8 @@ caller (`trn_accum.plan.perfmodel` compiles them).
 
 `recommend` picks, among the candidates that fit at the chosen node count, the lowest
 predicted step time (`predicted_step_s`; ties: the no-overlap floor), then trades up to
-`HEADROOM_BAND` of that time for memory: the largest k (same mesh and reduce) within the band
-wins, because no fit check on CPU is the target's allocator (the 3B dry-run's CPU-compiled
+`HEADROOM_BAND` of that time for memory: the largest k (every other choice the same) within the
+band wins, because no fit check on CPU is the target's allocator (the 3B dry-run's CPU-compiled
 temporaries are 3.5x its analytic activations at k=4; on a TPU v5e the estimate said "fits"
 for two 6-layer steps its compiler refused, docs/dry-run.md), and a run that does not fit
 fails only after its long compile. It says why in terms of the candidates it beats that
@@ -27,7 +27,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from trn_accum.analysis.autotune import format_bytes
+from trn_accum.analysis.memory import format_bytes
 from trn_accum.neuron import platform
 
 __all__ = ["MESHES", "REDUCES", "Candidate", "candidate_grid", "format_rows", "recommend"]
@@ -55,17 +55,23 @@ class Candidate:
     remat: str | None = None  # model.remat; None: the config's policy
     gather: str | None = None  # trainer.gather; None: the config's
     attention_block: int | None = None  # model.attention_block; None: the config's
+    attention: str | None = None  # model.attention; None: the config's
+    loss_chunk: int | None = None  # model.loss_chunk (0: the whole minibatch); None: the config's
 
     def label(self) -> str:
-        policy = "" if self.remat is None else f" remat={self.remat}"
-        gather = "" if self.gather is None else f" gather={self.gather}"
-        block = "" if self.attention_block is None else f" attention_block={self.attention_block}"
-        return f"{self.mesh} x{self.nodes} k={self.k} {self.reduce}{policy}{gather}{block}"
+        named = [f" {k}={v}" for k, v in self.choices().items() if v is not None]
+        return f"{self.mesh} x{self.nodes} k={self.k} {self.reduce}{''.join(named)}"
 
     def choices(self) -> dict:
         """The model and trainer settings it names beyond mesh, k and reduce (None: the
         config's), as `trn_accum.plan.perfmodel.with_choices` takes them."""
-        return {"remat": self.remat, "gather": self.gather, "attention_block": self.attention_block}
+        return {
+            "remat": self.remat,
+            "gather": self.gather,
+            "attention": self.attention,
+            "attention_block": self.attention_block,
+            "loss_chunk": self.loss_chunk,
+        }
 
 
 def candidate_grid(
@@ -112,8 +118,8 @@ def recommend(rows: Sequence[Mapping[str, Any]], nodes: int) -> dict[str, Any] |
         r
         for r in pool
         if sort_key(r)[0] <= limit
-        and (r["candidate"].mesh, r["candidate"].reduce)
-        == (fastest["candidate"].mesh, fastest["candidate"].reduce)
+        and dataclasses.replace(r["candidate"], k=0)
+        == dataclasses.replace(fastest["candidate"], k=0)
     ]
     best = max(same, key=lambda r: r["candidate"].k)
     b, bs = best["candidate"], best["summary"]
@@ -155,8 +161,9 @@ def recommend(rows: Sequence[Mapping[str, Any]], nodes: int) -> dict[str, Any] |
 
 def format_rows(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     """One line per candidate: fit, bytes per link, compute, comm, step bounds, tokens/s, MFU."""
+    w = max([33, *(len(r["candidate"].label()) for r in rows)])
     head = (
-        f"  {'candidate':<33} {'fits':>4} {'chip':>10} {'node':>10} {'efa':>10} {'compute':>8} "
+        f"  {'candidate':<{w}} {'fits':>4} {'chip':>10} {'node':>10} {'efa':>10} {'compute':>8} "
         f"{'comm':>8} {'step s':>15} {'tokens/s':>19} {'MFU':>13}"
     )
     lines = [head]
@@ -165,7 +172,7 @@ def format_rows(rows: Sequence[Mapping[str, Any]]) -> list[str]:
         cells = [format_bytes(_link_bytes(r, lk)) for lk in platform.LINK_CLASSES]
         lo, hi = s["step_s_full_overlap"], s["step_s_no_overlap"]
         lines.append(
-            f"  {r['candidate'].label():<33} {'yes' if r['fits'] else 'no':>4} "
+            f"  {r['candidate'].label():<{w}} {'yes' if r['fits'] else 'no':>4} "
             f"{cells[0]:>10} {cells[1]:>10} {cells[2]:>10} {s['compute_s']:>8.3f} "
             f"{s['comm_s']:>8.3f} {lo:>7.3f}-{hi:<7.3f} "
             f"{s['tokens_per_s'][0]:>9.3g}-{s['tokens_per_s'][1]:<9.3g} "

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from trn_accum.analysis.autotune import extrapolate
 from trn_accum.analysis.hlo.module import HloModule
+from trn_accum.analysis.memory import extrapolate
 from trn_accum.neuron import platform
 
 __all__ = ["bounds", "extrapolate_summary", "summarize", "trip_counts"]
@@ -128,7 +128,7 @@ def _extrapolate_rows(rows: Mapping[int, Mapping[str, Mapping[str, float]]], lay
 def extrapolate_summary(by_depth: Mapping[int, Mapping[str, Any]], layers: int) -> dict[str, Any]:
     """Summaries at two depths {L1: s1, L2: s2} -> the summary at `layers`: wire bytes, times
     and counts per link and per axis set and the executed FLOPs extrapolated linearly per layer
-    (`trn_accum.analysis.autotune.extrapolate`), useful FLOPs and tokens from the deeper one
+    (`trn_accum.analysis.memory.extrapolate`), useful FLOPs and tokens from the deeper one
     (analytic: pass them for the full depth), bounds recomputed."""
     if len(by_depth) != 2:
         raise ValueError(f"extrapolate_summary needs two depths, got {sorted(by_depth)}")

@@ -110,8 +110,7 @@ def compiled_peak(stats: Any, mem: dict[str, int] | None) -> int | None:
 
 def backend_peak(compiled: Any) -> int | None:
     """`compiled_peak` of a compiled program on the backend that compiled it (None where it
-    reports no memory analysis): what the trainer's "compiled" figure and its fallback read
-    (`trn_accum.plan.autok`), the TPU compiler's peak on a TPU, the sum on XLA:CPU (whose
+    reports no memory analysis): the TPU compiler's peak on a TPU, the sum on XLA:CPU (whose
     analysis has no peak)."""
     try:
         stats = compiled.memory_analysis()

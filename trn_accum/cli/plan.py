@@ -37,7 +37,8 @@ def _mesh_names(text: str) -> tuple[str, ...]:
 
 
 def _cmd_dry_run(args) -> int:
-    args.devices = args.devices or PLATFORMS[args.platform].devices_per_node
+    if args.devices is None:  # 0 is a value (refused below), not "the default"
+        args.devices = PLATFORMS[args.platform].devices_per_node
     if not 1 <= args.devices <= MAX_DRY_RUN_DEVICES:
         raise UsageError(
             f"--devices {args.devices}: must be 1..{MAX_DRY_RUN_DEVICES} (64 = one trn2.48xlarge "
@@ -53,6 +54,8 @@ def _cmd_dry_run(args) -> int:
         # A backend with another device count runs in this process: start a fresh one (it sets
         # the device count in XLA_FLAGS before its backend starts).
         return subprocess.call([sys.executable, "-m", "trn_accum.cli", *args.argv])
+    say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    say(f"dry-run: {args.config} on {args.devices} emulated {args.platform} devices")
     from trn_accum.plan import dryrun
 
     report = dryrun.run(
@@ -62,7 +65,9 @@ def _cmd_dry_run(args) -> int:
         nodes=args.nodes,
         step_time=args.step_time,
         step_time_meshes=args.step_time_meshes,
+        search=args.search,
         platform_name=args.platform,
+        say=say,
     )
     print(dryrun.format_report(report, as_json=args.json))
     return EXIT_FAILED if report.get("blockers") else EXIT_OK
@@ -109,9 +114,14 @@ def add_parsers(sub) -> None:
         "--step-time",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="the trn2 step-time model: bytes by link, step time / MFU bounds for the config "
-        "and candidates, a recommendation (default on; a few minutes more for the 3B config on "
-        "2 cores; --no-step-time skips it)",
+        help="the step-time model of the config: bytes by link, step time and MFU bounds, "
+        "the predicted step (default on; --no-step-time skips it)",
+    )
+    d.add_argument(
+        "--search",
+        action="store_true",
+        help="also price candidate meshes, k and reduce beside the config, recommend one and "
+        "print the weak-scaling table (minutes: 663 s for the 3B config on 2 cores)",
     )
     d.add_argument(
         "--step-time-meshes",

@@ -24,7 +24,7 @@ def _profile_range(text: str) -> tuple[int, int]:
 def _cmd_train(args) -> int:
     profile = _profile_range(args.profile) if args.profile else None
     try:
-        from trn_accum.plan import autosettings
+        from trn_accum.plan import settings_run
         from trn_accum.train import loop
     except ImportError as e:  # a broken install on one node: its job's ranks hear of it
         from trn_accum.cluster.distributed import fail_startup
@@ -40,7 +40,7 @@ def _cmd_train(args) -> int:
         run_dir=run_dir,
         profile=profile,
         allow_config_change=args.allow_config_change,
-        settings=autosettings.resolve_for_run,
+        settings=settings_run.for_run,
     )
 
 

@@ -215,13 +215,13 @@ def _require(ok: bool, key: str, value: Any, rule: str) -> None:
 
 def _check_config(cfg: Config) -> None:
     m, mesh, d, o, t, c = cfg.model, cfg.mesh, cfg.data, cfg.optimizer, cfg.trainer, cfg.checkpoint
-    if t.gather != "per_minibatch" and t.reduce != "once":
+    if t.gather != "per_minibatch" and t.reduce not in ("once", "auto"):
         raise ConfigError(
             f'trainer.gather = {t.gather!r} needs trainer.reduce = "once" (the weights are '
             f"gathered before the minibatch loop it runs manual over the batch axes), got "
             f'{t.reduce!r}: set trainer.reduce = "once" or trainer.gather = "per_minibatch"'
         )
-    if t.reduce_dtype != "float32" and t.reduce != "once":
+    if t.reduce_dtype != "float32" and t.reduce not in ("once", "auto"):
         raise ConfigError(
             f'trainer.reduce_dtype = {t.reduce_dtype!r} needs trainer.reduce = "once" (it '
             f"narrows the one cross-replica gradient reduction after the minibatch loop), got "
@@ -239,7 +239,8 @@ def _check_config(cfg: Config) -> None:
         "max_seq_len",
         "attention_block",
     ):
-        _require(getattr(m, name) >= 1, f"model.{name}", getattr(m, name), "must be >= 1")
+        if getattr(m, name) != "auto":  # attention_block may be "auto"
+            _require(getattr(m, name) >= 1, f"model.{name}", getattr(m, name), "must be >= 1")
     _require(
         m.hidden_dim % m.num_heads == 0,
         "model.num_heads",
@@ -372,32 +373,3 @@ def _check_config(cfg: Config) -> None:
 
     _require(c.every >= 0, "checkpoint.every", c.every, "must be >= 0 (0 = only at exit)")
     _require(c.keep >= 1, "checkpoint.keep", c.keep, "must be >= 1")
-
-
-AUTO_KEYS = ("trainer.accum_steps", "model.remat", "model.loss_chunk")
-
-
-def auto_keys(cfg: Config) -> list[str]:
-    """The keys of `AUTO_KEYS` that `cfg` leaves "auto" (for the settings search to choose)."""
-    values = {
-        "trainer.accum_steps": cfg.trainer.accum_steps,
-        "model.remat": cfg.model.remat,
-        "model.loss_chunk": cfg.model.loss_chunk,
-    }
-    return [k for k in AUTO_KEYS if values[k] == "auto"]
-
-
-def layout_config(cfg: Config) -> Config:
-    """`cfg` with each "auto" of `AUTO_KEYS` set to the plainest value (k 1, no remat, the whole
-    loss): for readers of a run's state (import-hf), whose shapes and shardings these settings
-    do not change, so that no settings search runs where nothing trains."""
-    t, m = cfg.trainer, cfg.model
-    return dataclasses.replace(
-        cfg,
-        trainer=dataclasses.replace(t, accum_steps=1 if t.accum_steps == "auto" else t.accum_steps),
-        model=dataclasses.replace(
-            m,
-            remat="none" if m.remat == "auto" else m.remat,
-            loss_chunk=0 if m.loss_chunk == "auto" else m.loss_chunk,
-        ),
-    )

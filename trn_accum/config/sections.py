@@ -81,7 +81,8 @@ class TrainerConfig:
     steps: int = 100
     accum_steps: int | str = 1  # an int >= 1, or "auto" (smallest that fits memory_budget_gib)
     loop: str = field(default="scan", metadata=_choice(*ACCUM_LOOPS))  # minibatch loop
-    reduce: str = field(default="per_minibatch", metadata=_choice(*GRAD_REDUCTIONS))
+    # "auto": chosen by the settings search before the step is built (trn_accum.plan.settings)
+    reduce: str = field(default="per_minibatch", metadata=_choice(*GRAD_REDUCTIONS, "auto"))
     # FSDP weights: gathered in every minibatch (each layer's, by the loss: under reduce "once"
     # its Strategy's gather is "in_loss"), or once per step (needs reduce "once";
     # trn_accum.core.gather_once): "once" reduce-scatters each minibatch's gradient,

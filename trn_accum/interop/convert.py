@@ -32,7 +32,8 @@ from trn_accum.checkpoint import reader as ckpt_reader
 from trn_accum.checkpoint import rundir
 from trn_accum.checkpoint.checkpointer import Checkpointer, make_writable_dir
 from trn_accum.config import drift
-from trn_accum.config.load import Config, config_from_dict, layout_config, load_config
+from trn_accum.config.auto import layout_config
+from trn_accum.config.load import Config, config_from_dict, load_config
 from trn_accum.errors import EXIT_SAVE_FAILED
 from trn_accum.interop import generation, hf_io, llama, validate
 from trn_accum.interop.llama import InteropError

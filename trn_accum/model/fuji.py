@@ -64,10 +64,10 @@ from trn_accum.model.xent import cross_entropy, lm_logits
 COMPUTE_DTYPES = ("bfloat16", "float32")
 LAYER_LOOPS = ("scan", "unroll")
 REMAT_POLICIES = ("none", "full", "save_qkvo", "save_attention")
-AUTO = "auto"  # model.remat / model.loss_chunk: resolved before the model is built
+AUTO = "auto"  # model.remat / attention / attention_block / loss_chunk: chosen before a build
 _UNRESOLVED = (
-    '{key} = "auto" is chosen before the step is built (trn_accum.plan.autosettings.resolve, '
-    "which the trainer and the dry-run call); set a value to build the model directly"
+    '{key} = "auto" is chosen before the step is built (trn_accum.plan.settings.choose, '
+    "which `trn-accum train` and the dry-run call); set a value to build the model directly"
 )
 # "fan_in": std 1/sqrt(fan) per matrix, the reference's rule (AXLearn's golden init config for
 # fuji-3B-v3, axlearn/experiments/testdata/.../fuji-3B-v3_init.txt: normal(0, 1/fan_in) for
@@ -111,11 +111,11 @@ class ModelConfig:
     layer_loop: str = field(default="scan", metadata=_choices(*LAYER_LOOPS))
     # none | full | save_qkvo (reference: keep the q/k/v/o projections and attention context)
     # | save_attention (save_qkvo and the attention's output and log-sum-exp: no second forward)
-    # "auto": chosen with trainer.accum_steps from memory before the step is built
-    # (trn_accum.plan.autosettings), as is loss_chunk = "auto"
+    # "auto" (here, in attention, attention_block and loss_chunk): chosen by the settings search
+    # before the step is built (trn_accum.plan.settings)
     remat: str = field(default="none", metadata=_choices(*REMAT_POLICIES, AUTO))
-    attention: str = field(default="plain", metadata=_choices(*ATTENTION_IMPLS))
-    attention_block: int = 512  # block size of blockwise / flash attention
+    attention: str = field(default="plain", metadata=_choices(*ATTENTION_IMPLS, AUTO))
+    attention_block: int | str = 512  # block size of blockwise / flash attention
     loss_chunk: int | str = 0  # tokens per batch shard per LM-head/cross-entropy chunk; 0 = whole
 
     @property
@@ -226,6 +226,9 @@ def _block(x, layer, cfg: ModelConfig, plans: dict):
     q = checkpoint_name(shard_activation(apply_rope(q, *rope), heads), "q_proj")
     k = checkpoint_name(shard_activation(apply_rope(k, *rope), heads), "k_proj")
     v = checkpoint_name(shard_activation(v, heads), "v_proj")
+    for key in ("attention", "attention_block"):
+        if getattr(cfg, key) == AUTO:
+            raise ValueError(_UNRESOLVED.format(key=f"model.{key}"))
     ctx = attention(q, k, v, impl=cfg.attention, block_size=cfg.attention_block, kv_mask=None)
     ctx = checkpoint_name(shard_activation(ctx, heads), "context")
     o = checkpoint_name(

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -52,14 +52,17 @@ from trn_accum.analysis.memory import (
     gather_once_bytes,
     state_shard_bytes,
 )
+from trn_accum.config.auto import auto_keys
 from trn_accum.config.load import load_config
 from trn_accum.core.mesh import resolve_axes
 from trn_accum.core.split import split_minibatches
 from trn_accum.errors import UserError, one_line
 from trn_accum.model import fuji
-from trn_accum.neuron import kernels, platform, preflight
-from trn_accum.plan import autosettings, perfmodel, perfmodel_cli
-from trn_accum.plan.dryrun_report import format_report
+from trn_accum.neuron import kernels, preflight
+from trn_accum.plan import perfmodel, perfmodel_cli, settings_run
+from trn_accum.plan.dryrun_report import format_report, loss_chunk_report, peak_note
+from trn_accum.plan.resolution import Refused
+from trn_accum.plan.settings import Target
 from trn_accum.train import step
 from trn_accum.train.flops import flops_per_step
 
@@ -108,20 +111,35 @@ def run(
     nodes: int | None = None,
     step_time: bool = False,
     step_time_meshes: Sequence[str] | None = None,
+    search: bool = False,
     platform_name: str = platforms.DEFAULT,
+    say: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Lower and compile the train step; returns the report (see the module docstring).
     `step_time`: add the step-time model of `platform_name` (`trn_accum.plan.perfmodel`, own
-    process, nodes of this dry-run's device count), its candidates on `step_time_meshes`
-    (names of `recommend.MESHES`; None = all)."""
+    process, nodes of this dry-run's device count) of the config; with `search` (or
+    `step_time_meshes`) its candidates too, on `step_time_meshes` (names of
+    `recommend.MESHES`; None = all), and the weak-scaling table. `say(line)` hears each stage
+    as it starts and the settings search's candidates (default: silent)."""
     t_start = time.perf_counter()
+    say = say or (lambda _: None)
     cfg = load_config(config_path, overrides)
     plat = platforms.get(platform_name)
     subs = substitutions(cfg)
     with kernels.substitute(kernels.reference_kernels()) if subs else contextlib.nullcontext():
-        report = _run(cfg, config_path, overrides, devices, nodes, t_start, plat)
+        report = _run(cfg, config_path, overrides, devices, nodes, t_start, plat, say)
     report["substitutions"] = subs
     if step_time:
+        what = (
+            "the config and its candidates (--search: minutes, 663 s for the 3B config on 2 cores)"
+            if search or step_time_meshes
+            else "the config"
+        )
+        say(
+            f"dry-run: the {plat.name} step-time model of {what} on "
+            f"{min(report['nodes'], perfmodel.EMULATE_NODES)} emulated node(s) "
+            f"({time.perf_counter() - t_start:.0f} s so far)"
+        )
         try:
             report["step_time"] = perfmodel_cli.run_in_subprocess(
                 config_path,
@@ -130,6 +148,7 @@ def run(
                 meshes=step_time_meshes,
                 platform_name=plat.name,
                 devices_per_node=report["devices"],
+                search=search or bool(step_time_meshes),
             )
         except perfmodel.StepTimeError as e:
             report["step_time"] = {"error": one_line(e)}
@@ -137,26 +156,27 @@ def run(
 
 
 def resolved_settings(cfg, report: dict[str, Any]) -> list[str]:
-    """--set items fixing each of trainer.accum_steps, model.remat and model.loss_chunk that
-    `cfg` leaves "auto" to what this dry-run resolved (`report`), so that the step-time model
-    prices the step the dry-run compiled and not the word "auto"."""
-    chosen = {
-        "trainer.accum_steps": (cfg.trainer.accum_steps, report["accum_steps"]),
-        "model.remat": (cfg.model.remat, report["remat"]),
-        "model.loss_chunk": (cfg.model.loss_chunk, report["loss"]["loss_chunk"]),
-    }
-    return [f"{key}={got}" for key, (asked, got) in chosen.items() if asked == "auto"]
+    """--set items fixing each setting `cfg` leaves "auto" to what this dry-run resolved
+    (`report`, the settings train will run), so that the step-time model prices the step the
+    dry-run compiled and not the word "auto"."""
+    chosen = report["train_will_run"]
+    return [f"{key}={chosen['settings'][key]}" for key in chosen["auto"]]
 
 
-def _peak_note(floor_s: float) -> str:
-    """The other published peak (the NeuronCore-v3 page's per-core figure x 8) next to ours."""
-    alt = platform.TRN2_CORE_PEAK_FLOPS_ALT * platform.TRN2_CORES_PER_CHIP
-    return (
-        f"peak: {platform.TRN2_CHIP_PEAK_FLOPS / 1e12:g} TFLOP/s per chip (Trainium2 page); the "
-        f"NeuronCore-v3 page's {platform.TRN2_CORE_PEAK_FLOPS_ALT / 1e12:g} x "
-        f"{platform.TRN2_CORES_PER_CHIP} = {alt / 1e12:g} per chip would put the floor at "
-        f"{floor_s * platform.TRN2_CHIP_PEAK_FLOPS / alt:.4g} s"
-    )
+def _tpu_fit_check(plat, node_batch: int, n_dev: int, budget: float):
+    """The settings search's `confirm` where the platform's own compiler is at hand (libtpu for
+    a TPU, compiling without a chip: `target_memory.tpu_devices`), else None (the estimate the
+    search priced is the fit check)."""
+    if target_memory.tpu_devices(plat.name, n_dev) is None:
+        return None
+
+    def confirm(cfg) -> None:
+        devices = target_memory.tpu_devices(plat.name, n_dev)
+        got = target_memory.tpu_footprint(_lower_on(cfg, node_batch), devices)
+        if got > budget:
+            raise Refused(f"the TPU compiler's peak {got / GIB:.2f} GiB > {budget / GIB:.2f} GiB")
+
+    return confirm
 
 
 def substitutions(cfg) -> list[dict[str, str]]:
@@ -190,7 +210,7 @@ def _lower_on(cfg, node_batch: int):
     return lower
 
 
-def _run(cfg, config_path, overrides, devices, nodes, t_start, plat) -> dict[str, Any]:
+def _run(cfg, config_path, overrides, devices, nodes, t_start, plat, say) -> dict[str, Any]:
     notes: list[str] = []
     devs = jax.devices()
     n_dev = len(devs) if devices is None else devices
@@ -207,8 +227,21 @@ def _run(cfg, config_path, overrides, devices, nodes, t_start, plat) -> dict[str
         )
     node_batch = cfg.data.global_batch // nodes
     mesh = step.make_mesh(cfg, devs)
-    # "auto" settings fitted on the figure the fit check reads (the target's, not XLA:CPU's)
-    cfg, tuned = autosettings.resolve(cfg, mesh, batch_rows=node_batch)
+    # "auto" settings: what `trn-accum train` runs on this target, by the same search
+    if auto_keys(cfg):
+        say(f"dry-run: choosing {', '.join(auto_keys(cfg))} (the settings train will run)")
+    budget = plat.budget_gib(cfg.trainer.memory_budget_gib) * GIB
+    resolution = settings_run.resolve(
+        cfg,
+        Target(plat.name, n_dev, nodes),
+        confirm=_tpu_fit_check(plat, node_batch, n_dev, budget),
+        say=say,
+    )
+    cfg = resolution.apply(cfg)
+    say(
+        f"dry-run: compiling the step ({cfg.model.num_layers} layers, {n_dev} devices, "
+        f"k {cfg.trainer.accum_steps})"
+    )
     program = step.build_step(cfg, mesh, batch_rows=node_batch)
     k = cfg.trainer.accum_steps
     local_shape = dict(mesh.shape)
@@ -250,7 +283,6 @@ def _run(cfg, config_path, overrides, devices, nodes, t_start, plat) -> dict[str
     mem = compiled_memory(compiled)
     act = activation_estimate(cfg, rows_per_mb, local_shape.get("model", 1))
     budget_gib = plat.budget_gib(cfg.trainer.memory_budget_gib)
-    budget = budget_gib * GIB
     state_bytes = p_bytes + g_bytes + o_bytes
     gathered = gather_once_bytes(
         abstract["params"],
@@ -291,14 +323,14 @@ def _run(cfg, config_path, overrides, devices, nodes, t_start, plat) -> dict[str
         "seq_len": cfg.data.seq_len,
         "rows_per_node": node_batch,
         "accum_steps": k,
-        "autotune": None if tuned is None else {**tuned.to_dict(), "text": tuned.format()},
+        "train_will_run": {**resolution.to_dict(), "text": resolution.format()},
         "rows_per_device_group_per_minibatch": rows_per_mb,
         "layers": cfg.model.num_layers,
         "layer_loop": cfg.model.layer_loop,
         "accum_loop": cfg.trainer.loop,
         "attention": cfg.model.attention,
         "remat": cfg.model.remat,
-        "loss": autosettings.loss_chunk_report(cfg, mesh, rows_per_mb),
+        "loss": loss_chunk_report(cfg, local_shape.get("model", 1), rows_per_mb),
         "params": n_params,
         "bytes_per_device": {
             "params": p_bytes,
@@ -345,7 +377,7 @@ def _run(cfg, config_path, overrides, devices, nodes, t_start, plat) -> dict[str
             f"({plat.peak_flops:.4g} FLOP/s x {total_devices:g} devices) = "
             f"{floor_s:.4g} s / step_time_s"
         ),
-        "peak_note": _peak_note(floor_s) if plat.name == "trn2" else plat.source,
+        "peak_note": peak_note(floor_s) if plat.name == "trn2" else plat.source,
         "split_collectives": split_counts,
         "step_collectives": {
             "outside_loops": step_counts["outside_loops"],

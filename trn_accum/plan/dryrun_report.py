@@ -9,7 +9,40 @@ from collections.abc import Mapping
 from typing import Any
 
 from trn_accum.analysis.memory import GIB
+from trn_accum.neuron import platform
 from trn_accum.plan import steptime_report
+
+# Bytes per logit per device while one loss chunk is live: its float32 logits (4) and their
+# float32 gradient (4), and the compute-dtype copy the LM head's backward reads (2).
+LOGIT_BYTES = 10
+
+
+def loss_chunk_report(cfg, model_axis: int, rows_per_minibatch: int) -> dict[str, Any]:
+    """The loss chunk a resolved `cfg` uses, per batch shard: {"loss_chunk" (the setting),
+    "tokens_per_chunk", "chunks_per_minibatch", "logit_bytes_per_device" (one chunk's logits at
+    LOGIT_BYTES each, the vocabulary split over the model axis)}. rows_per_minibatch: rows per
+    batch shard (device group) per minibatch."""
+    whole = rows_per_minibatch * cfg.data.seq_len
+    chunk = cfg.model.loss_chunk
+    tokens = min(chunk, whole) if chunk else whole
+    per_token = cfg.model.vocab_size / max(1, model_axis) * LOGIT_BYTES
+    return {
+        "loss_chunk": chunk,
+        "tokens_per_chunk": tokens,
+        "chunks_per_minibatch": -(-whole // tokens),
+        "logit_bytes_per_device": int(tokens * per_token),
+    }
+
+
+def peak_note(floor_s: float) -> str:
+    """The other published peak (the NeuronCore-v3 page's per-core figure x 8) next to ours."""
+    alt = platform.TRN2_CORE_PEAK_FLOPS_ALT * platform.TRN2_CORES_PER_CHIP
+    return (
+        f"peak: {platform.TRN2_CHIP_PEAK_FLOPS / 1e12:g} TFLOP/s per chip (Trainium2 page); the "
+        f"NeuronCore-v3 page's {platform.TRN2_CORE_PEAK_FLOPS_ALT / 1e12:g} x "
+        f"{platform.TRN2_CORES_PER_CHIP} = {alt / 1e12:g} per chip would put the floor at "
+        f"{floor_s * platform.TRN2_CHIP_PEAK_FLOPS / alt:.4g} s"
+    )
 
 
 def _gib(x: float | None) -> str:
@@ -45,7 +78,7 @@ def format_report(r: Mapping[str, Any], *, as_json: bool = False) -> str:
         f"{r['accum_steps']} minibatch{'' if r['accum_steps'] == 1 else 'es'} "
         f"({r['accum_loop']}), "
         f"{r['rows_per_device_group_per_minibatch']} rows per device group per minibatch",
-        *(r["autotune"]["text"].splitlines() if r.get("autotune") else []),
+        *r["train_will_run"]["text"].splitlines(),
         f"model: {r['layers']} layers ({r['layer_loop']}), attention {r['attention']}, "
         f"remat {r['remat']}, loss chunk {r['loss']['tokens_per_chunk']} tokens per batch shard "
         f"({r['loss']['chunks_per_minibatch']} per minibatch, logits "

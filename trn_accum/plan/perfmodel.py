@@ -16,7 +16,7 @@ nodes from a program where they span 2.
 
 Deeper than `max(depths)` layers, each program is compiled at the two `depths` and the
 summaries extrapolated per layer (`stepsummary.extrapolate_summary`, the line of
-`trn_accum.analysis.autotune.extrapolate`). The analytic memory estimate
+`trn_accum.analysis.memory.extrapolate`). The analytic memory estimate
 (`trn_accum.analysis.memory.fit_by_steps`) chooses which k to compile; a candidate fits by its
 own program's peak live bytes at full depth (`compiled_fits`). A `Programs` cache, held by the
 search (`trn_accum.plan.search.explore`), keeps one compile per program across its candidates
@@ -35,12 +35,12 @@ from typing import Any
 import jax
 
 from trn_accum.analysis import platforms, pricing, stepsummary, steptime
-from trn_accum.analysis.autotune import extrapolate
 from trn_accum.analysis.hlo.module import dot_flops, parse_hlo
 from trn_accum.analysis.hlo.partitioned import compile_partitioned
 from trn_accum.analysis.live_bytes import peak_live_bytes
 from trn_accum.analysis.memory import (
     GIB,
+    extrapolate,
     fit_by_steps,
     gather_once_bytes,
     state_shard_bytes,
@@ -52,6 +52,12 @@ from trn_accum.train import step as step_lib
 from trn_accum.train.flops import flops_per_step
 
 DEFAULT_DEPTHS = (2, 3)
+
+# XLA:CPU flags of a process that compiles steps only to read their partitioned modules (the
+# settings search, the step-time model): its own code generation is not run, so its expensive
+# optimizations buy nothing, and they leave the module after the SPMD partitioner, which is
+# what is priced and measured, as it is (tests/conftest.py's FAST_COMPILE_FLAGS, measured there)
+PRICING_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
 EMULATE_NODES = 2
 
@@ -66,9 +72,11 @@ def with_choices(
     remat: str | None = None,
     gather: str | None = None,
     attention_block: int | None = None,
+    attention: str | None = None,
+    loss_chunk: int | None = None,
 ):
-    """cfg with mesh sizes / accum_steps / reduce / num_layers / remat / gather /
-    attention_block replaced."""
+    """cfg with mesh sizes / accum_steps / reduce / num_layers / remat / gather / attention /
+    attention_block / loss_chunk replaced (None: kept)."""
     m = cfg.mesh if mesh is None else dataclasses.replace(cfg.mesh, **mesh)
     t = dataclasses.replace(
         cfg.trainer,
@@ -78,8 +86,8 @@ def with_choices(
     )
     mo = cfg.model if layers is None else dataclasses.replace(cfg.model, num_layers=layers)
     mo = mo if remat is None else dataclasses.replace(mo, remat=remat)
-    if attention_block is not None:
-        mo = dataclasses.replace(mo, attention_block=attention_block)
+    model = {"attention": attention, "attention_block": attention_block, "loss_chunk": loss_chunk}
+    mo = dataclasses.replace(mo, **{k: v for k, v in model.items() if v is not None})
     return dataclasses.replace(cfg, mesh=m, trainer=t, model=mo)
 
 
@@ -105,7 +113,7 @@ class Programs:
         shape = resolve_axes(cfg.mesh.axes(), len(devices))
         c = with_choices(cfg, mesh=shape)
         c = dataclasses.replace(c, data=dataclasses.replace(c.data, global_batch=rows))
-        key = (c, len(devices), rows)
+        key = (repr(c), len(devices), rows)  # a config may hold lists (data.path): unhashable
         if key not in self._compiled:
             t0 = time.perf_counter()
             mesh = step_lib.make_mesh(c, devices)

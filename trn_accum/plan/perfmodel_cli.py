@@ -17,8 +17,14 @@ from typing import Any
 from trn_accum.analysis import platforms, steptime
 from trn_accum.analysis import recommend as rec
 from trn_accum.config.load import load_config
-from trn_accum.plan.perfmodel import EMULATE_NODES, StepTimeError, fitting_k, with_choices
-from trn_accum.plan.search import explore
+from trn_accum.plan.perfmodel import (
+    EMULATE_NODES,
+    PRICING_FLAGS,
+    StepTimeError,
+    fitting_k,
+    with_choices,
+)
+from trn_accum.plan.search import explore, price_config
 
 
 def run_in_subprocess(
@@ -29,17 +35,19 @@ def run_in_subprocess(
     *,
     platform_name: str = platforms.DEFAULT,
     devices_per_node: int | None = None,
+    search: bool = True,
 ) -> dict[str, Any]:
     """`explore` of the config on `platform_name` (nodes of `devices_per_node` devices,
     default the platform's) in a fresh process with enough emulated CPU devices; candidates
-    on the `meshes` named (of `recommend.MESHES`; None = all)."""
+    on the `meshes` named (of `recommend.MESHES`; None = all). `search=False`: the config
+    alone (`search.price_config`)."""
     plat = platforms.get(platform_name)
     per_node = plat.devices_per_node if devices_per_node is None else devices_per_node
     n = per_node * EMULATE_NODES  # the scale table prices the pick on up to EMULATE_NODES
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", ""))
     env["XLA_FLAGS"] = (
-        f"{flags} --xla_force_host_platform_device_count={n} "
+        f"{flags} {PRICING_FLAGS} --xla_force_host_platform_device_count={n} "
         "--xla_cpu_enable_concurrency_optimized_scheduler=false"
     ).strip()
     cmd = [
@@ -54,6 +62,7 @@ def run_in_subprocess(
     if meshes:
         cmd += ["--meshes", ",".join(meshes)]
     cmd += ["--platform", plat.name, "--devices-per-node", str(per_node)]
+    cmd += [] if search else ["--config-only"]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
     if out.returncode:
         lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
@@ -70,6 +79,7 @@ def main(argv=None) -> int:
     p.add_argument("--meshes", default=None, help="comma-separated names of recommend.MESHES")
     p.add_argument("--platform", default=platforms.DEFAULT, choices=sorted(platforms.PLATFORMS))
     p.add_argument("--devices-per-node", type=int, default=None)
+    p.add_argument("--config-only", action="store_true", help="price the config alone")
     a = p.parse_args(argv)
     plat = platforms.get(a.platform)
     layout = steptime.Layout.of(plat, devices_per_node=a.devices_per_node)
@@ -79,7 +89,10 @@ def main(argv=None) -> int:
         fits = fitting_k(cfg, cfg.mesh.axes(), nodes, layout)["accum_steps"]
         cfg = with_choices(cfg, k=fits or 1)
     meshes = None if a.meshes is None else {m: rec.MESHES[m] for m in a.meshes.split(",")}
-    report = explore(cfg, nodes=nodes, layout=layout, meshes=meshes, plat=plat)
+    if a.config_only:
+        report = price_config(cfg, nodes=nodes, layout=layout, plat=plat)
+    else:
+        report = explore(cfg, nodes=nodes, layout=layout, meshes=meshes, plat=plat)
     print(json.dumps(report, default=str))
     return 0
 

@@ -32,7 +32,7 @@ class Check:
         data = data if (n // model_axis) % data == 0 else 1
         fsdp = n // model_axis // data
         group = max(1, c.model.num_heads // max(1, c.model.num_kv_heads))
-        seq = 256
+        seq, block = 256, c.model.attention_block
         m = dataclasses.replace(
             c.model,
             vocab_size=1024,
@@ -44,11 +44,12 @@ class Check:
             max_seq_len=seq,
             compute_dtype="float32",
             layer_loop="scan",
-            attention_block=min(c.model.attention_block, 128),
+            attention_block=128 if block == "auto" else min(block, 128),
             loss_chunk=min(c.model.loss_chunk, seq) if c.model.loss_chunk not in (0, "auto") else 0,
-            # "auto" (chosen from memory at train time) probes as no remat (the numerics row
-            # then compares "full") and the whole loss
+            # "auto" (chosen by the settings search at train time) probes as no remat (the
+            # numerics row then compares "full"), blockwise attention and the whole loss
             remat="none" if c.model.remat == "auto" else c.model.remat,
+            attention="blockwise" if c.model.attention == "auto" else c.model.attention,
         )
         mesh = dataclasses.replace(c.mesh, data=data, fsdp=fsdp, model=model_axis, nodes=1)
         shards = n // model_axis

@@ -230,6 +230,41 @@ def explore(
     }
 
 
+def price_config(
+    cfg,
+    *,
+    nodes: int,
+    layout: steptime.Layout,
+    plat: platforms.Platform = platforms.TRN2,
+    depths=DEFAULT_DEPTHS,
+) -> dict[str, Any]:
+    """The step-time model of the config as written (resolved) alone, shaped like `explore`'s
+    report with no candidates: what `trn-accum dry-run` prints by default (`--search` runs
+    `explore`)."""
+    t0 = time.perf_counter()
+    budget = plat.budget_gib(cfg.trainer.memory_budget_gib) * GIB
+    own = predict(cfg, nodes=nodes, layout=layout, depths=depths, plat=plat)
+    return {
+        "config": {
+            "mesh": cfg.mesh.axes(),
+            "nodes": nodes,
+            "k": cfg.trainer.accum_steps,
+            "reduce": cfg.trainer.reduce,
+            "summary": own,
+            "fits": compiled_fits(own, budget),
+        },
+        "platform": plat.name,
+        "fit_k": {},
+        "budget_bytes": budget,
+        "candidates": [],
+        "table": [],
+        "recommendation": None,
+        "scale": [],
+        "layout": dataclasses.asdict(layout),
+        "wall_s": round(time.perf_counter() - t0, 1),
+    }
+
+
 def checked_at_full_depth(cfg, rows, nodes: int, meshes, budget: float, kw) -> dict | None:
     """`rec.recommend(rows, nodes)` once the pick's fit is checked on a compile of the full
     depth: a row's footprint is extrapolated from `kw["depths"]` layers, which reads low for

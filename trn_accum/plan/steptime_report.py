@@ -10,7 +10,7 @@ from trn_accum.plan.perfmodel import EMULATE_NODES
 
 def format_lines(st: dict[str, Any]) -> list[str]:
     """The step-time part of the dry-run report (`explore`'s output, as JSON-decoded)."""
-    from trn_accum.analysis.autotune import format_bytes
+    from trn_accum.analysis.memory import format_bytes
 
     c, s = st["config"], st["config"]["summary"]
     depths = s["depths_compiled"]
@@ -51,13 +51,18 @@ def format_lines(st: dict[str, Any]) -> list[str]:
         f"collectives on achieved links {s['comm_predicted_s']:.4g} s, no overlap "
         "(trn_accum/analysis/platforms.py); compiled footprint "
         f"{format_bytes(s['memory_bytes'] or 0)} per device, fits {c.get('fits')}",
-        "  candidates (k whose analytic bytes fit: "
-        + "; ".join(f"{key}: {ks}" for key, ks in st["fit_k"].items())
-        + "; compiled for those k; fit = each one's own compiled footprint within the budget, "
-        "XLA:CPU's, which keeps bf16 temporaries in float32: an overstatement on trn2"
-        + "); bytes per device per step:",
-        *st["table"],
     ]
+    if not st["candidates"]:
+        lines.append("  (the config alone; `--search` prices meshes, k and reduce beside it)")
+    else:
+        lines += [
+            "  candidates (k whose analytic bytes fit: "
+            + "; ".join(f"{key}: {ks}" for key, ks in st["fit_k"].items())
+            + "; compiled for those k; fit = each one's own compiled footprint within the budget, "
+            "XLA:CPU's, which keeps bf16 temporaries in float32: an overstatement on trn2"
+            + "); bytes per device per step:",
+            *st["table"],
+        ]
     best = st.get("recommendation")
     if best:
         lines.append(f"  recommended at {c['nodes']} node(s): {best['label']}")

@@ -97,7 +97,7 @@ def run(
     (`allow_config_change`: keys or sections) and, with `profile=(start, stop)`, `profile/` (a
     jax.profiler trace of the steps numbered start..stop-1, numbered as logged: from 1).
     `settings` chooses the config's "auto" settings on the mesh (`Trainer.build`; `trn-accum
-    train` hands in `trn_accum.plan.autosettings.resolve_for_run`).
+    train` hands in `trn_accum.plan.settings_run.for_run`).
     """
     try:
         cfg = load_config(config_path, overrides)
@@ -178,8 +178,8 @@ def _run(cfg: Config, pre, *, run_dir: str, profile, console, allowed, settings)
                 enabled=main,
                 console=console,
             ) as logger:
-                if trainer.autotune is not None:
-                    logger.message(trainer.autotune.format())
+                if trainer.settings is not None:  # what the settings search chose, before compiling
+                    logger.message(trainer.settings.format())
                 if latest is not None:
                     logger.message(f"resumed from {ckpt.step_path(latest)} (step {start})")
                 if changes and start < total:

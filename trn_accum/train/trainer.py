@@ -17,7 +17,8 @@ from typing import Any
 import jax
 
 from trn_accum.config import drift, mesh_rules
-from trn_accum.config.load import Config, auto_keys, config_to_dict
+from trn_accum.config.auto import auto_keys
+from trn_accum.config.load import Config, config_to_dict
 from trn_accum.data import datasets as data_lib
 from trn_accum.neuron import lowering
 from trn_accum.train import step
@@ -34,7 +35,7 @@ class Trainer:
     program: step.StepProgram  # the compiled train step and its shardings
     eval_fn: Any
     dataset: Any
-    autotune: Any = None  # the settings search's result when a setting was "auto"
+    settings: Any = None  # the settings search's Resolution (its `line()` is logged)
 
     @property
     def cfg(self) -> Config:
@@ -56,7 +57,7 @@ class Trainer:
 
     @classmethod
     def build(cls, cfg: Config, devices=None, settings: Settings | None = None) -> Trainer:
-        """`settings` chooses every "auto" of `cfg` on the mesh (`trn_accum.plan.autosettings`);
+        """`settings` chooses every "auto" of `cfg` on the mesh (`trn_accum.plan.settings_run`);
         without it, a config with one is refused (TrainError, naming the keys)."""
         mesh_rules.check_start(cfg, devices)  # what `trn-accum check-config` checks, the same call
         mesh = mesh_rules.make_mesh(cfg, devices)
@@ -77,14 +78,14 @@ class Trainer:
             raise mesh_rules.TrainError(
                 f'{", ".join(auto_keys(cfg))} = "auto" is chosen by the settings search, '
                 f"which this caller did not run: run `trn-accum train`, or pass "
-                f"settings=trn_accum.plan.autosettings.resolve_for_run to Trainer.build"
+                f"settings=trn_accum.plan.settings_run.for_run to Trainer.build"
             )
         program = step.build_step(cfg, mesh)
         return cls(
             program=program,
             eval_fn=step.make_eval_step(cfg, mesh, program.state_shardings["params"]),
             dataset=dataset,
-            autotune=tuned,
+            settings=tuned,
         )
 
     @functools.cached_property
