@@ -485,3 +485,33 @@ def test_check_config_accepts_what_train_accepts(capsys):
     # a substituted trainer's own options pass; its --config and --set are still checked
     assert trn_cli.main(["check-config", "--only-config-args", "--", *ok, "--mode", "psum"]) == 0
     assert trn_cli.main(["check-config", "--", *ok, "--mode", "psum"]) == 2
+
+
+def test_a_closed_stdout_ends_quietly():
+    """`trn-accum ... | head -n 0`: the reader of stdout is gone before the command writes
+    (a real pipe, its read end closed at once). Exit 0 or 141 (128 + SIGPIPE), nothing on
+    stderr (no BrokenPipeError traceback, no 'Exception ignored' at exit)."""
+    read, write = os.pipe()
+    try:
+        child = subprocess.Popen(
+            [sys.executable, "-m", "trn_accum.cli", "neuron-env"],
+            env=subprocess_env(),
+            cwd=ROOT,
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+    finally:
+        os.close(write)
+        os.close(read)  # before the child (still importing) writes a byte
+    _, err = child.communicate(timeout=120)
+    assert child.returncode in (0, 141), (child.returncode, err[-3000:])
+    assert err.strip() == "", err[-3000:]
+
+
+def test_dry_run_devices_0_is_refused_not_the_default(capsys):
+    """`--devices 0` is a value, refused in one line, not "the platform's node" (it ran on 64)."""
+    from trn_accum import cli as trn_cli
+
+    assert trn_cli.main(["dry-run", "--config", TINY, "--devices", "0"]) == 2
+    assert "--devices 0: must be 1.." in capsys.readouterr().err

@@ -274,3 +274,28 @@ def test_docs_example_runs(capsys):
     assert len(blocks) == 1
     exec(compile(blocks[0], str(DOC), "exec"), {"__name__": "docs_optax"})
     assert "= the full batch's step" in capsys.readouterr().out
+
+
+def test_float0_gradient_leaf_is_named():
+    """jax.grad(allow_int=True) over params with an integer leaf gives that leaf a float0
+    gradient: update refuses it in one line naming the leaf (eager and under jit); the
+    gradient of the float leaves alone, the fix the line gives, steps."""
+    params = {"w": jnp.ones(3), "count": jnp.array([1, 2], jnp.int32)}
+
+    def loss(p):
+        return jnp.sum(p["w"] ** 2) * p["count"].sum()
+
+    grads = jax.grad(loss, allow_int=True)(params)
+    assert grads["count"].dtype == jax.dtypes.float0
+    tx = multi_steps(optax.adam(0.1), 2)
+    state = tx.init(params)
+    for update in (tx.update, jax.jit(tx.update)):
+        with pytest.raises(ValueError) as e:
+            update(grads, state, params)
+        line = str(e.value)
+        assert "gradient leaf ['count'] has dtype float0" in line and "\n" not in line
+    floats = {"w": params["w"]}
+    w_grad = jax.grad(lambda w: loss({**params, "w": w}))(floats["w"])
+    tx = multi_steps(optax.sgd(1.0), 1)
+    updates, _ = tx.update({"w": w_grad}, tx.init(floats), floats)
+    np.testing.assert_allclose(np.asarray(updates["w"]), -np.asarray(w_grad))

@@ -26,8 +26,10 @@ How the weight reaches `update` (optax's extra-args convention):
                                              #   inner transformation gets the step's
                                              #   weighted mean loss as its `value`
 
-Other extra args pass to `inner` unchanged. Everything is selected with `jnp.where`: `inner`'s
-update is computed on every call (as `optax.MultiSteps` computes its own) and kept on the k-th.
+Gradient leaves of dtype float0 (`jax.grad(allow_int=True)`'s placeholder for an integer
+parameter) are refused with a ValueError naming them. Other extra args pass to `inner`
+unchanged. Everything is selected with `jnp.where`: `inner`'s update is computed on every
+call (as `optax.MultiSteps` computes its own) and kept on the k-th.
 `state.k` is an int32 array: change it between calls (`with_k`) without recompiling.
 
 Imports trn_accum.core, JAX and optax only.
@@ -42,6 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.dtypes import float0
 
 from trn_accum.core.accumulator import Accumulator, Carry, all_finite, minibatch_weight
 
@@ -127,6 +130,7 @@ def multi_steps(
         return MultiStepsState(zero, zero, k0, inner.init(params), carry, zero)
 
     def update(updates, state: MultiStepsState, params=None, **extra_args):
+        _refuse_float0(updates)
         w_i = _weight(weight_fn, extra_args)
         value = extra_args.pop("value", None)
         g_i = jax.tree.map(lambda g: jnp.asarray(g, jnp.float32), updates)
@@ -162,6 +166,22 @@ def multi_steps(
         return new_updates, new_state
 
     return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _refuse_float0(updates: Any) -> None:
+    """ValueError naming the gradient leaves of dtype float0: the zero tangent that
+    `jax.grad(..., allow_int=True)` gives an integer parameter, which has no arithmetic (no
+    sum, no optimizer, no `optax.apply_updates`)."""
+    leaves = jax.tree_util.tree_leaves_with_path(updates)
+    bad = [jax.tree_util.keystr(p) for p, g in leaves if getattr(g, "dtype", None) == float0]
+    if bad:
+        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+        raise ValueError(
+            f"multi_steps: gradient leaf {', '.join(bad[:3])}{more} has dtype float0 (what "
+            f"jax.grad(allow_int=True) gives an integer parameter), which cannot be summed or "
+            f"applied: take the gradient of the float parameters only (pass integer leaves to "
+            f"the loss as another argument)"
+        )
 
 
 def _weight(weight_fn: Callable | None, extra_args: dict) -> jax.Array:

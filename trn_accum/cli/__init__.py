@@ -19,7 +19,8 @@ another trainer, a resume that would
 change the run's trajectory, or a run whose recent steps were all non-finite); 74 (EX_IOERR) a
 checkpoint or the run's record could not be written (disk full, quota, permissions, a vanished
 mount; the previous checkpoint is intact); 75 (EX_TEMPFAIL) preempted (SIGTERM/SIGINT) after
-saving a checkpoint: run the same command again to resume.
+saving a checkpoint: run the same command again to resume; 141 (128 + SIGPIPE) stdout's
+reader went away (`| head`), nothing printed.
 
 `dry-run` (and `neuron-check` off Neuron) need N emulated CPU devices, which XLA fixes when its
 backend starts: `cli/emulated_cpu.py` sets `XLA_FLAGS` and the platform before asking the
@@ -31,6 +32,9 @@ runs it: `cli/run.py` (train, check-config), `cli/plan.py` (dry-run, neuron-chec
 
 from __future__ import annotations
 
+import os
+import select
+import signal
 import sys
 
 from trn_accum.cli import data, eks, plan, run
@@ -39,6 +43,8 @@ from trn_accum.cli.parsing import PROG, Parser, UsageError
 from trn_accum.cli.run import check_train_args
 from trn_accum.errors import EXIT_INTERRUPTED, UserError, one_line
 from trn_accum.interop.commands import add_parsers as add_interop_parsers
+
+EXIT_STDOUT_CLOSED = 128 + signal.SIGPIPE  # as a shell shows a process that SIGPIPE killed
 
 __all__ = [
     "CPU_XLA_FLAGS",
@@ -62,6 +68,27 @@ def build_parser() -> Parser:
     return p
 
 
+def _stdout_closed() -> bool:
+    """Whether stdout's reader has gone (a pipe closed early, as by `| head -n 0`): its
+    descriptor polls as an error."""
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poll.poll(0))
+    except (OSError, ValueError, AttributeError):  # no descriptor (a replaced sys.stdout)
+        return False
+
+
+def _stdout_gone() -> int:
+    """Ends a command whose stdout's reader has gone as a program killed by SIGPIPE shows it
+    (128 + SIGPIPE): stdout points at /dev/null so the interpreter's last flush of what is
+    still buffered succeeds, and nothing is printed."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return EXIT_STDOUT_CLOSED
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `trn-accum`. Returns the exit code (also used by `python -m`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -69,7 +96,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         args.argv = argv
-        return int(args.func(args))
+        code = int(args.func(args))
+        sys.stdout.flush()  # here, not at exit: a closed stdout is caught below
+        return code
+    except BrokenPipeError:
+        if not _stdout_closed():
+            raise  # another pipe of the command's own: a bug, with its traceback
+        return _stdout_gone()
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -1,6 +1,7 @@
 """The `import-hf`, `export-hf` and `eval` subcommands of `trn-accum` (registered by trn_accum.cli).
 
     trn-accum import-hf HF_DIR --config FILE [--set SECTION.KEY=VALUE ...] --run-dir DIR
+                        [--allow-unused-tensors]
     trn-accum export-hf RUN_DIR OUT_DIR [--dtype bfloat16|float32] [--eos-token-id ID[,ID]]
                         [--bos-token-id ID] [--pad-token-id ID]
     trn-accum eval --run-dir DIR (--data TOKEN_DIR | --tokens FILE.npy) [--json]
@@ -27,7 +28,9 @@ TOKEN_FLAGS = {
 def _cmd_import(args) -> int:
     from trn_accum.interop import convert
 
-    n = convert.import_hf(args.hf_dir, args.config, args.overrides, args.run_dir)
+    n = convert.import_hf(
+        args.hf_dir, args.config, args.overrides, args.run_dir, args.allow_unused_tensors
+    )
     print(
         f"imported {n:,} parameters from {args.hf_dir} into "
         f"{os.path.join(args.run_dir, 'checkpoints', '0')} (step 0, fresh optimizer state); "
@@ -88,6 +91,12 @@ def add_parsers(sub) -> None:
         help="override a config value (repeatable); pass the same ones to `train`",
     )
     im.add_argument("--run-dir", required=True, metavar="DIR", help="a new run directory")
+    im.add_argument(
+        "--allow-unused-tensors",
+        action="store_true",
+        help="import even when the checkpoint holds tensors the model does not use (they are "
+        "named, then dropped); without it such a checkpoint is refused",
+    )
     im.set_defaults(func=_cmd_import)
 
     ex = sub.add_parser(

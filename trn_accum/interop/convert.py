@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -58,11 +58,36 @@ def hf_shapes(cfg: fuji.ModelConfig) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def check_checkpoint(hf_dir: str, model_cfg: fuji.ModelConfig) -> dict[str, str]:
+def unused_tensors(files: dict[str, str], model_cfg: fuji.ModelConfig) -> list[str]:
+    """The tensors stored in the files of `files` (listed by the index or not) that an import
+    under `model_cfg` does not read: not one of `hf_shapes`, nor the LM head (which
+    `check_checkpoint` requires to equal the embedding)."""
+    used = {*hf_shapes(model_cfg), validate.LM_HEAD}
+    return sorted(n for n in hf_io.stored_names(files) if n not in used)
+
+
+def _refuse_unused(hf_dir: str, unused: list[str]) -> None:
+    more = f" and {len(unused) - 3} more" if len(unused) > 3 else ""
+    raise InteropError(
+        f"checkpoint {hf_dir} holds {len(unused)} tensor(s) the model does not use, which the "
+        f"import would drop ({', '.join(unused[:3])}{more}): check that config.json describes "
+        f"the checkpoint (num_hidden_layers, attention_bias, mlp_bias), or pass "
+        f"--allow-unused-tensors to import without them"
+    )
+
+
+def check_checkpoint(
+    hf_dir: str,
+    model_cfg: fuji.ModelConfig,
+    allow_unused: bool = False,
+    say: Callable[[str], None] | None = None,
+) -> dict[str, str]:
     """The tensor files of the HF checkpoint in `hf_dir` after checking that it holds float
-    weights (`validate`: no quantization, an LM head that is the embedding) and that its
-    config.json and tensor shapes are those of `model_cfg`; InteropError naming every
-    difference. Only headers are read, and the LM head when the checkpoint holds one."""
+    weights (`validate`: no quantization, an LM head that is the embedding), that its
+    config.json and tensor shapes are those of `model_cfg`, and that it holds no tensor the
+    import would not read (`unused_tensors`; with `allow_unused` they are named through
+    `say` and dropped); InteropError naming every difference. Only headers are read, and the
+    LM head when the checkpoint holds one."""
     hf = hf_io.read_config(hf_dir)
     validate.refuse_quantized_config(hf, hf_dir)
     fields = llama.model_fields(hf)
@@ -88,6 +113,14 @@ def check_checkpoint(hf_dir: str, model_cfg: fuji.ModelConfig) -> dict[str, str]
     if validate.LM_HEAD in files:
         embed = llama.TOP_TENSORS["embed"]
         validate.refuse_untied_head(hf_io.tensors_equal(files, validate.LM_HEAD, embed), hf_dir)
+    unused = unused_tensors(files, model_cfg)
+    if unused and not allow_unused:
+        _refuse_unused(hf_dir, unused)
+    if unused and say is not None:
+        say(
+            f"import-hf: --allow-unused-tensors: dropping {len(unused)} tensor(s) of {hf_dir} "
+            f"the model does not use: {', '.join(unused)}"
+        )
     return files
 
 
@@ -130,11 +163,20 @@ def _refuse_existing(run_dir: str) -> None:
         )
 
 
-def import_hf(hf_dir: str, config_path: str, overrides: Sequence[str], run_dir: str) -> int:
+def import_hf(
+    hf_dir: str,
+    config_path: str,
+    overrides: Sequence[str],
+    run_dir: str,
+    allow_unused: bool = False,
+    say: Callable[[str], None] = print,
+) -> int:
     """Writes RUN_DIR's step-0 checkpoint from the HF checkpoint in `hf_dir` under the config
-    file (with `--set` overrides). Returns the number of parameters imported."""
+    file (with `--set` overrides); tensors the model does not use are refused, or with
+    `allow_unused` dropped and named through `say`. Returns the number of parameters
+    imported."""
     cfg = load_config(config_path, overrides)
-    files = check_checkpoint(hf_dir, cfg.model)
+    files = check_checkpoint(hf_dir, cfg.model, allow_unused, say)
     gen = generation.from_hf(hf_dir, cfg.model.vocab_size)  # for export-hf: token ids
     _refuse_existing(run_dir)
     # the mesh, data and state layout the trainer uses ("auto" settings do not change it)

@@ -27,26 +27,56 @@ from trn_accum.interop.llama import InteropError
 from trn_accum.train import step as train_step
 from trn_accum.train.trainer import Trainer
 
+NPY_MAGIC = b"\x93NUMPY"  # what every file np.save writes starts with
+
+
+def _what_instead(head: bytes) -> str:
+    """What a file starting with `head` is, when not a .npy file."""
+    if not head:
+        return "an empty file (0 bytes)"
+    if head.startswith(b"PK"):
+        return "a zip archive (an .npz of np.savez?)"
+    return f"not a .npy file (it starts with {head!r})"
+
+
+def load_npy(path: str) -> np.ndarray:
+    """The array in the .npy file `path`; InteropError (one line) for what np.save did not
+    write whole: unreadable, empty, another format (.npz, text, pickle), a cut header or data,
+    an object array."""
+    fix = "save token ids as np.save(path, ids), one integer array [N, S]"
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(NPY_MAGIC))
+            if head != NPY_MAGIC:
+                raise InteropError(f"--tokens {path}: {_what_instead(head)}: {fix}")
+            f.seek(0)
+            return np.lib.format.read_array(f, allow_pickle=False)
+    except OSError as e:
+        raise InteropError(f"--tokens {path}: cannot be read ({e.strerror or e}): {fix}") from None
+    except (ValueError, EOFError) as e:  # a cut header or data, an object array
+        why = (str(e).splitlines() or [type(e).__name__])[0]
+        raise InteropError(f"--tokens {path}: not a readable .npy file ({why}): {fix}") from None
+
 
 def read_tokens(path: str, vocab_size: int) -> np.ndarray:
-    """The int64 [N, S] array of `path` (.npy), checked: S >= 2, ids < vocab_size, negative
-    ids (padding) only at the end of a row, at least one target (a row of 2 tokens)."""
-    try:
-        tokens = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as e:
-        raise InteropError(f"--tokens {path}: not a readable .npy file ({e})") from None
+    """The int64 [N, S] array of `path` (.npy), checked: S >= 2, ids < vocab_size (in the
+    file's own dtype, before any cast: a uint64 id past int64's range is an id, not padding),
+    negative ids (padding) only at the end of a row, at least one target (a row of 2
+    tokens)."""
+    tokens = load_npy(path)
     if tokens.ndim != 2 or tokens.shape[1] < 2 or not np.issubdtype(tokens.dtype, np.integer):
         raise InteropError(
             f"--tokens {path}: an integer array [N, S] with S >= 2 is needed, got "
             f"{tokens.dtype} {list(tokens.shape)}: save token ids as np.save(path, ids)"
         )
-    tokens = tokens.astype(np.int64)
-    if tokens.size and tokens.max() >= vocab_size:
-        r, c = np.argwhere(tokens >= vocab_size)[0]
+    too_big = tokens >= vocab_size  # numpy compares any integer dtype with an int exactly
+    if too_big.any():
+        r, c = np.argwhere(too_big)[0]
         raise InteropError(
             f"--tokens {path}: id {tokens[r, c]} at row {r}, column {c} is >= the model's "
             f"vocabulary ({vocab_size}): tokenize with the model's tokenizer"
         )
+    tokens = tokens.astype(np.int64)  # every id now fits: < vocab_size, or negative padding
     pad = tokens < 0
     inner = pad[:, :-1] & ~pad[:, 1:]
     if inner.any():

@@ -2,7 +2,8 @@
 
 A checkpoint directory holds `config.json` and either `model.safetensors` or shards
 `model-0000i-of-0000N.safetensors` listed by `model.safetensors.index.json` ({"weight_map":
-{tensor name: file}}), the layout transformers' `save_pretrained` writes and reads. Tensors
+{tensor name: file}}, each file a name inside the directory: `tensor_files` refuses any other
+value), the layout transformers' `save_pretrained` writes and reads. Tensors
 are read one at a time (`safetensors.safe_open` maps the file; a tensor is read when asked
 for) and written one shard at a time through `safetensors.numpy`, so no more than one shard's
 tensors are held in memory. bfloat16 is NumPy's `ml_dtypes.bfloat16` (JAX's own). A
@@ -64,6 +65,15 @@ def tensor_files(directory: str) -> dict[str, str]:
         weight_map = read_json(index, "the index of a sharded checkpoint").get("weight_map")
         if not isinstance(weight_map, dict):
             raise InteropError(f"{index} has no weight_map: re-save the checkpoint")
+        bad = [f"{name}: {f!r}" for name, f in weight_map.items() if not _inside(f)]
+        if bad:
+            more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+            raise InteropError(
+                f"{index} weight_map maps tensors to what is not a file of the checkpoint "
+                f"directory ({'; '.join(bad[:3])}{more}): each value must be the name of a "
+                f'safetensors file beside the index (e.g. "model-00001-of-00002.safetensors"); '
+                f"re-save the checkpoint"
+            )
         return {name: os.path.join(directory, f) for name, f in weight_map.items()}
     single = os.path.join(directory, SINGLE)
     if not os.path.exists(single):
@@ -73,6 +83,25 @@ def tensor_files(directory: str) -> dict[str, str]:
         )
     with _open(single) as f:
         return {name: single for name in f.keys()}
+
+
+def _inside(name) -> bool:
+    """Whether an index value `name` names a file inside the checkpoint directory: a
+    non-empty relative path string that neither climbs out ("..") nor names the directory."""
+    if not isinstance(name, str) or not name or "\0" in name or os.path.isabs(name):
+        return False
+    parts = name.replace("\\", "/").split("/")
+    return ".." not in parts and os.path.normpath(name) not in (".", "")
+
+
+def stored_names(files: dict[str, str]) -> dict[str, str]:
+    """Every tensor stored in the files of `files` (from `tensor_files`) -> its file, those
+    the index does not list included (headers only)."""
+    out = {}
+    for path in sorted(set(files.values())):
+        with _open(path) as f:
+            out.update(dict.fromkeys(f.keys(), path))
+    return out
 
 
 def _open(path: str):
@@ -181,13 +210,13 @@ def write_checkpoint(
     are indexed. The directory is replaced whole (`trn_accum.interop.out_dir`): a kill leaves
     the previous content or the new one. Returns the files written."""
     check_out_dir(directory)
-    tmp = out_dir.fresh(directory)
-    try:
-        written = _write_files(tmp, config, sizes, tensor, max_bytes, extra or {})
-        out_dir.commit(tmp, directory, lambda name: _carried(name, written))
-    except (OSError, SafetensorError):
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with out_dir.fresh(directory) as tmp:
+        try:
+            written = _write_files(tmp, config, sizes, tensor, max_bytes, extra or {})
+            out_dir.commit(tmp, directory, lambda name: _carried(name, written))
+        except (OSError, SafetensorError):
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     return written
 
 

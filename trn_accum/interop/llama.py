@@ -75,12 +75,42 @@ ROPE_ROTATED = ("q", "k")
 
 
 def _rope_params(hf: dict) -> dict:
-    """The RoPE settings of an HF config: transformers 5's "rope_parameters" (theta inside) or
-    the older top-level "rope_theta" plus "rope_scaling" (None for plain RoPE)."""
-    params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    """The RoPE settings of an HF config as transformers 5 reads them
+    (`PreTrainedConfig.convert_rope_params_to_dict`): a set "rope_scaling" (not null, not
+    empty) wins over "rope_parameters"; the top-level "rope_theta" and "partial_rotary_factor"
+    fill in what the dict lacks; "type" is the older spelling of "rope_type" ("default" when
+    neither is set). InteropError (one line) when either key holds something other than a
+    JSON object or null, or settings per layer type (one dict per attention kind)."""
+    for key in ("rope_scaling", "rope_parameters"):
+        value = hf.get(key)
+        if value is not None and not isinstance(value, dict):
+            raise InteropError(
+                f"config.json {key} = {value!r} ({type(value).__name__}): RoPE settings are a "
+                f'JSON object (e.g. {{"rope_type": "llama3", "factor": 32.0, ...}}) or null; '
+                f"fix config.json"
+            )
+    params = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
+    nested = sorted(k for k, v in params.items() if isinstance(v, dict))
+    if nested:
+        raise InteropError(
+            f"config.json RoPE settings are per layer type ({', '.join(nested)}): ours applies "
+            f"one RoPE to every layer; only Llama checkpoints with one RoPE setting convert"
+        )
     params.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
+    if hf.get("partial_rotary_factor") is not None:
+        params.setdefault("partial_rotary_factor", hf["partial_rotary_factor"])
     params["rope_type"] = params.get("rope_type", params.get("type", "default"))
     return params
+
+
+def _not_numbers(values: dict[str, Any], keys) -> list[str]:
+    """'key = value' for each of `keys` whose value in `values` is set and not a number."""
+    return [
+        f"{k} = {values[k]!r}"
+        for k in keys
+        if values.get(k) is not None
+        and (isinstance(values[k], bool) or not isinstance(values[k], int | float))
+    ]
 
 
 def model_fields(hf: dict) -> dict[str, Any]:
@@ -101,8 +131,10 @@ def model_fields(hf: dict) -> dict[str, Any]:
     }
     bad = [f"{k} = {v!r} (ours: {want!r})" for k, (v, want) in unsupported.items() if v != want]
     rope = _rope_params(hf)
-    if rope["rope_type"] not in _ROPE_TYPES:
+    if not isinstance(rope["rope_type"], str) or rope["rope_type"] not in _ROPE_TYPES:
         bad.append(f"rope type {rope['rope_type']!r} (ours: one of {sorted(_ROPE_TYPES)})")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        bad.append(f"partial_rotary_factor = {rope['partial_rotary_factor']!r} (ours: 1.0)")
     if bad:
         raise InteropError(
             f"config.json describes a model ours cannot represent: {', '.join(bad)}: only "
@@ -110,11 +142,18 @@ def model_fields(hf: dict) -> dict[str, Any]:
             f"RoPE, convert"
         )
     flat = {**hf, **rope, "rope_type": _ROPE_TYPES[rope["rope_type"]]}
-    if flat.get("head_dim") is None and "hidden_size" in hf and "num_attention_heads" in hf:
-        flat["head_dim"] = hf["hidden_size"] // hf["num_attention_heads"]  # transformers' rule
     wanted = dict(CONFIG_FIELDS)
     if flat["rope_type"] == "llama3":
         wanted.update(LLAMA3_FIELDS)
+    numeric = [theirs for theirs in wanted.values() if theirs != "rope_type"]
+    not_numbers = _not_numbers(flat, numeric)
+    if not_numbers:
+        raise InteropError(
+            f"config.json holds values that are not numbers: {', '.join(not_numbers)}: fix "
+            f"config.json (transformers writes them as JSON numbers)"
+        )
+    if flat.get("head_dim") is None and flat.get("hidden_size") and flat.get("num_attention_heads"):
+        flat["head_dim"] = flat["hidden_size"] // flat["num_attention_heads"]  # transformers' rule
     missing = [theirs for theirs in wanted.values() if flat.get(theirs) is None]
     if missing:
         raise InteropError(

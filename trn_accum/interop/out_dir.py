@@ -1,8 +1,8 @@
 """An export directory replaced whole: written into a fresh sibling, then swapped in.
 
-    tmp = fresh("exported")          # exported/../.exported.tmp-XXXX, stale ones removed
-    ...write the files into tmp...
-    commit(tmp, "exported", carry)   # fsync, then exchange: the new export is "exported"
+    with fresh("exported") as tmp:       # exported/../.exported.tmp-XXXX, stale ones removed
+        ...write the files into tmp...
+        commit(tmp, "exported", carry)   # fsync, then exchange: the new export is "exported"
 
 `export-hf` never writes into OUT_DIR itself. It writes into ``.<name>.tmp-XXXX`` beside it
 (same parent, so same filesystem), fsyncs every file and the directory, then exchanges the two
@@ -11,9 +11,13 @@ export or the new one, complete, and a kill at any point leaves one of the two t
 the system cannot exchange (another OS, or a filesystem without it) OUT_DIR is renamed away
 and the new one renamed in: between those two renames OUT_DIR does not exist. The previous
 export, now under the temporary name, is removed; a kill before that leaves a hidden
-``.<name>.tmp-*`` directory, which the next export removes (`fresh`). Files of the previous
-export that the export does not write (the tokenizer a user copied in) are carried over (hard
-links); its weights, index and configs are not, so no stale shard or index survives.
+``.<name>.tmp-*`` directory, which the next export removes (`fresh`). A temporary directory
+belongs to its process: the export holds an exclusive `flock` on it from its creation to the
+swap, and an export removes only the siblings whose lock it can take, so two exports into one
+OUT_DIR at once both complete (the later swap wins) and neither removes the other's files.
+Files of the previous export that the export does not write (the tokenizer a user copied in)
+are carried over (hard links); its weights, index and configs are not, so no stale shard or
+index survives.
 
 OUT_DIR must be new, empty, or a Hugging Face checkpoint (config.json or *.safetensors, no
 subdirectory): anything else is refused with one line (`check`), so a run dir or a directory
@@ -22,13 +26,15 @@ of other files is never replaced.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
+import fcntl
 import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from trn_accum.interop.llama import InteropError
 
@@ -66,16 +72,60 @@ def check(directory: str, looks_exported: Callable[[list[str]], bool]) -> None:
         )
 
 
-def fresh(directory: str) -> str:
-    """A new empty sibling of `directory` to write an export into, after removing the stale
-    siblings of earlier exports that were killed. OSError when the parent cannot be written."""
+def _lock(path: str) -> int | None:
+    """An open descriptor of the directory `path` holding its exclusive `flock`, taken when
+    no other process holds it and `path` still names the directory locked; else None."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return None  # gone (removed by its owner or another export), or not a directory
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if os.path.samestat(os.fstat(fd), os.stat(path)):
+            return fd
+    except OSError:  # held (a live export's) or removed meanwhile
+        pass
+    os.close(fd)
+    return None
+
+
+def _remove_stale(directory: str) -> None:
+    """Removes the temporary siblings of `directory` that no live export holds (`_lock`):
+    those of killed exports, and previous exports left under a temporary name."""
     parent, pattern = _ours(directory)
-    os.makedirs(parent, exist_ok=True)
     for name in os.listdir(parent):
-        if pattern.match(name):
+        if not pattern.match(name):
+            continue
+        fd = _lock(os.path.join(parent, name))
+        if fd is None:
+            continue
+        try:
             shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+        finally:
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def fresh(directory: str, tries: int = 100) -> Iterator[str]:
+    """A new empty sibling of `directory` to write an export into, held by this process (an
+    exclusive `flock` on the directory until the block ends) so that no other export removes
+    it, after removing the stale siblings of earlier exports that were killed (which hold no
+    lock). OSError when the parent cannot be written."""
+    parent, _ = _ours(directory)
+    os.makedirs(parent, exist_ok=True)
+    _remove_stale(directory)
     name = os.path.basename(os.path.abspath(directory))
-    return tempfile.mkdtemp(prefix=f".{name}{TAG}", dir=parent)
+    for _ in range(tries):
+        tmp = tempfile.mkdtemp(prefix=f".{name}{TAG}", dir=parent)
+        fd = _lock(tmp)  # None: another export's `_remove_stale` took it before us
+        if fd is not None:
+            break
+    else:
+        raise OSError(errno.EAGAIN, "no temporary directory could be held", parent)
+    try:
+        yield tmp
+    finally:
+        os.close(fd)
 
 
 def _fsync(path: str, flags: int = os.O_RDONLY) -> None:

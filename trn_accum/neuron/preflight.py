@@ -14,6 +14,15 @@ blockers
   ``complex``          a value of type c64/c128
   ``float64``          a value of type f64 (``jax_enable_x64``)
   ``integer-dot``      a ``dot``/``convolution`` on integer operands
+  ``sort-comparator``  a ``sort`` whose comparator is not one LT/GT/LE/GE ``compare`` (a
+                       multi-key ``lax.sort``: its comparator ORs compares); JAX's float
+                       ordering (NaN and -0.0 canonicalised before one LT) is a plain compare
+  ``philox``           a Philox PRNG (``rng-bit-generator`` with ``algorithm=rng_philox``, a
+                       Philox multiplier constant, a ``philox`` custom-call): a blocker under
+                       JAX 0.11.x (Neuron 2.34's JAX), a warning under others. XLA:CPU
+                       expands every ``rng-bit-generator`` (rbg's ``rng_default`` too) into
+                       Philox arithmetic: constants of an ``rng_bit_generator`` op path are
+                       not counted, so read the module before optimization (the dry-run's)
 warnings
   ``dus-in-loop``      ``dynamic-update-slice`` at a non-constant index inside a rolled loop
                        (``lax.scan`` stacking its outputs ``ys``, or a scanned layer stack saving
@@ -25,6 +34,12 @@ warnings
                        operand; one that rounds a value to its own type's bits is the identity,
                        emitted by remat for every saved residual, and is not lowered for Neuron
                        (`trn_accum.neuron.lowering`), so it is not a finding
+  ``float-to-int``     a ``convert`` from a float to an integer type: Neuron rounds to nearest
+                       where JAX truncates toward zero (``jnp.trunc`` before the cast restores
+                       it); a value already whole (floor, ceil, round, trunc, an integer made
+                       float) is not a finding
+  ``top-k``            a ``topk`` op (or XLA's ``TopK`` custom-call): it fails on Neuron while
+                       ``NEURON_RUN_TRIVIAL_COMPUTATION_ON_CPU=1`` is set
 
 Static trip counts. In compiled HLO XLA annotates every loop whose trip count it can prove with
 ``backend_config={"known_trip_count":{"n":"5"}, ...}`` — a fixed-length ``lax.scan`` or a
@@ -32,6 +47,9 @@ Static trip counts. In compiled HLO XLA annotates every loop whose trip count it
 does not. Unoptimised HLO has no such annotation, so a loop without it is also accepted when it
 has the scan shape: the condition compares one tuple element (the induction variable) with a
 constant, the body adds a constant to that element, and the loop starts it at a constant.
+
+Neuron SDK 2.34's page (2026-11-13) adds the last four rules and the mesh-connectivity check of
+`neuron-check` (`trn_accum.neuron.topology`).
 
 Threefry is recognised by its key-schedule constant 0x1BD11BDA (present whether or not the
 threefry function was inlined), by computations named ``threefry*`` and by threefry custom-calls.
@@ -45,6 +63,7 @@ from collections.abc import Sequence
 
 from trn_accum.analysis.hlo import module as hlo_lib
 from trn_accum.neuron import lowering
+from trn_accum.neuron.hlo_values import PASS_THROUGH, Resolver, static_trip_count
 
 BLOCKER = "blocker"
 WARNING = "warning"
@@ -72,7 +91,11 @@ _INT_TYPES = frozenset(
     {"s2", "s4", "s8", "s16", "s32", "s64", "u2", "u4", "u8", "u16", "u32", "u64"}
 )
 _COMPLEX_TYPES = frozenset({"c64", "c128"})
-_PASS_THROUGH = frozenset({"copy", "bitcast", "reshape", "convert", "broadcast"})
+# Philox's round multipliers (4x32: two; 2x32: one), absent from Threefry and rbg
+_PHILOX_MULTIPLIERS = frozenset({str(0xD2511F53), str(0xCD9E8D57), str(0xD256D193)})
+_PLAIN_DIRECTIONS = frozenset({"LT", "GT", "LE", "GE"})
+_WHOLE_NUMBER_OPS = frozenset({"floor", "ceil", "round-nearest-even", "round-nearest-afz"})
+_KEEP_VALUE = PASS_THROUGH - {"convert"}  # ops that move a value without changing it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +135,15 @@ _MESSAGES = {
     "supported by Neuron (fold_in/split of rbg keys use it); check the compile on Neuron",
     "custom-call": "custom-call {detail} may not exist on Neuron (a CPU library kernel?)",
     "reduce-precision": "reduce-precision is listed unsupported by Neuron",
+    "float-to-int": "float -> integer convert ({detail}) rounds to nearest on Neuron where JAX "
+    "truncates toward zero: apply jnp.trunc before the cast (jnp.trunc(x).astype(...))",
+    "philox": "Philox PRNG ({detail}) is not supported by Neuron with JAX 0.11.x: use the rbg "
+    'PRNG (jax.config.update("jax_default_prng_impl", "rbg"))',
+    "sort-comparator": "sort comparator {detail} is not one LT/GT/LE/GE compare, the only "
+    "comparators Neuron's sort takes: sort by one key (combine keys into one, or sort stably "
+    "by each key in turn)",
+    "top-k": "top_k ({detail}) fails on Neuron while NEURON_RUN_TRIVIAL_COMPUTATION_ON_CPU=1 is "
+    "set: leave that variable unset for this program",
 }
 _SEVERITY = {
     "conditional": BLOCKER,
@@ -124,7 +156,78 @@ _SEVERITY = {
     "threefry": WARNING,
     "custom-call": WARNING,
     "reduce-precision": WARNING,
+    "float-to-int": WARNING,
+    "philox": BLOCKER,  # under JAX 0.11.x (`_severity`)
+    "sort-comparator": BLOCKER,
+    "top-k": WARNING,
 }
+
+
+def _severity(rule: str, jax_version: str) -> str:
+    """A rule's severity; Philox is listed unsupported with JAX 0.11.x only."""
+    if rule == "philox" and not jax_version.startswith("0.11."):
+        return WARNING
+    return _SEVERITY[rule]
+
+
+def _whole(res: Resolver, ins: hlo_lib.Instruction | None, depth: int = 0) -> bool:
+    """Whether the float value `ins` holds whole numbers by construction: a floor, ceil or
+    round, an integer (or bool) made float, or a select between such values (jnp.trunc)."""
+    o = res.origin(ins, through=_KEEP_VALUE)
+    if o is None or depth > 8:
+        return False
+    if o.opcode in _WHOLE_NUMBER_OPS:
+        return True
+    if o.opcode == "convert":  # from an integer, or from another float that is whole
+        src = res.operand(o, 0)
+        if src is not None and src.dtypes and src.dtypes <= _INT_TYPES | {"pred"}:
+            return True
+        return _whole(res, src, depth + 1)
+    if o.opcode == "select" and len(o.operands) == 3:
+        return all(_whole(res, res.operand(o, i), depth + 1) for i in (1, 2))
+    return False
+
+
+def _plain_comparator(mod: hlo_lib.HloModule, res: Resolver, sort: hlo_lib.Instruction) -> str:
+    """'' when the comparator of `sort` returns one LT/GT/LE/GE compare; else what it is."""
+    name = (sort.attr("to_apply") or "").strip().lstrip("%")
+    comp = mod.computations.get(name)
+    if comp is None or comp.root is None:
+        return ""  # not printed: nothing to judge
+    root = res.origin(comp.root)
+    direction = (root.attr("direction") or "") if root is not None else ""
+    if root is not None and root.opcode == "compare" and direction in _PLAIN_DIRECTIONS:
+        return ""
+    what = f"compare {direction}" if direction else (root.opcode if root else "?")
+    return f"%{name} (returns {what})"
+
+
+def _neuron_234(
+    mod: hlo_lib.HloModule, res: Resolver, ins: hlo_lib.Instruction
+) -> tuple[str, str] | None:
+    """(rule, detail) when `ins` is one of the known issues Neuron SDK 2.34 lists (the
+    float-to-int, philox, sort-comparator and top-k rules), else None."""
+    op = ins.opcode
+    if op == "convert" and ins.dtypes and ins.dtypes <= _INT_TYPES:
+        src = res.operand(ins, 0)
+        floats = sorted(t for t in (src.dtypes if src else ()) if t.startswith(("f", "bf")))
+        if floats and not _whole(res, src):
+            return "float-to-int", f"{'/'.join(floats)} -> {'/'.join(sorted(ins.dtypes))}"
+    elif op == "sort":
+        detail = _plain_comparator(mod, res, ins)
+        if detail:
+            return "sort-comparator", detail
+    elif op == "topk" or (op == "custom-call" and ins.attr("custom_call_target") == "TopK"):
+        k = ins.attr("k") or (str(ins.shapes[0].dims[-1]) if ins.shapes else "?")
+        return "top-k", f"k={k}"
+    elif op == "rng-bit-generator" and "rng_philox" in (ins.attr("algorithm") or ""):
+        return "philox", "rng-bit-generator algorithm=rng_philox"
+    elif op == "custom-call" and "philox" in (ins.attr("custom_call_target") or "").lower():
+        return "philox", f"custom-call {ins.attr('custom_call_target')}"
+    elif op == "constant" and ins.operand_text.strip() in _PHILOX_MULTIPLIERS:
+        if not (_op_name(ins) or "").endswith("rng_bit_generator"):  # XLA:CPU's expansion
+            return "philox", f"multiplier constant {int(ins.operand_text.strip()):#x}"
+    return None
 
 
 def _identity_rounding(ins: hlo_lib.Instruction, dtypes: set[str]) -> bool:
@@ -144,105 +247,12 @@ def _op_name(ins: hlo_lib.Instruction) -> str | None:
     return m.group(1) if m else None
 
 
-class _Resolver:
-    """Follows values through fusions, tuples and pass-through ops to their origin."""
-
-    def __init__(self, mod: hlo_lib.HloModule):
-        self.mod = mod
-        self._callers: dict[str, list[hlo_lib.Instruction]] = {}
-        for ins in mod.instructions():
-            if ins.opcode in ("fusion", "call"):
-                for c in ins.called_computations:
-                    self._callers.setdefault(c, []).append(ins)
-        self._local = {
-            c.name: {i.name: i for i in c.instructions} for c in mod.computations.values()
-        }
-
-    def operand(self, ins: hlo_lib.Instruction, i: int) -> hlo_lib.Instruction | None:
-        if i >= len(ins.operands):
-            return None
-        return self._local.get(ins.computation, {}).get(ins.operands[i])
-
-    def origin(self, ins: hlo_lib.Instruction | None, depth: int = 0) -> hlo_lib.Instruction | None:
-        """The instruction that produces `ins`'s value, looking through copies, fusion roots and
-        fusion parameters (within one fusion nest; a loop parameter stops the walk)."""
-        while ins is not None and depth < 64:
-            depth += 1
-            if ins.opcode in _PASS_THROUGH:
-                ins = self.operand(ins, 0)
-            elif ins.opcode in ("fusion", "call"):
-                callee = next(iter(ins.called_computations), None)
-                comp = self.mod.computations.get(callee) if callee else None
-                if comp is None or comp.root is None:
-                    return ins
-                ins = comp.root
-            elif ins.opcode == "parameter":
-                callers = self._callers.get(ins.computation)
-                if not callers or len(callers) != 1:
-                    return ins
-                try:
-                    index = int(ins.operand_text.strip())
-                except ValueError:
-                    return ins
-                ins = self.operand(callers[0], index)
-            elif ins.opcode == "get-tuple-element":
-                src = self.origin(self.operand(ins, 0), depth)
-                if src is not None and src.opcode == "tuple":
-                    ins = self.operand(src, int(ins.attrs.get("index", "0")))
-                else:
-                    return ins
-            else:
-                return ins
-        return ins
-
-    def is_constant(self, ins: hlo_lib.Instruction | None) -> bool:
-        o = self.origin(ins)
-        return o is not None and (o.opcode == "constant" or o.opcode == "iota")
-
-    def loop_element(self, ins: hlo_lib.Instruction | None) -> int | None:
-        """Tuple index k when `ins` is get-tuple-element(loop parameter, k), else None."""
-        o = self.origin(ins)
-        if o is None or o.opcode != "get-tuple-element":
-            return None
-        src = self.origin(self.operand(o, 0))
-        if src is None or src.opcode != "parameter":
-            return None
-        return int(o.attrs.get("index", "0"))
-
-
-def _static_trip_count(mod: hlo_lib.HloModule, res: _Resolver, w: hlo_lib.Instruction) -> bool:
-    if w.trip_count is not None:
-        return True
-    cond = mod.computations.get(w.attrs.get("condition", "").strip().lstrip("%"))
-    body = mod.computations.get(w.attrs.get("body", "").strip().lstrip("%"))
-    if cond is None or body is None or cond.root is None or body.root is None:
-        return False
-    cmp = res.origin(cond.root)
-    if cmp is None or cmp.opcode != "compare" or len(cmp.operands) != 2:
-        return False
-    a, b = res.operand(cmp, 0), res.operand(cmp, 1)
-    k = res.loop_element(a) if res.is_constant(b) else res.loop_element(b)
-    if k is None or not (res.is_constant(a) or res.is_constant(b)):
-        return False
-    root = res.origin(body.root)
-    if root is None or root.opcode != "tuple":
-        return False
-    step = res.origin(res.operand(root, k))
-    if step is None or step.opcode not in ("add", "subtract"):
-        return False
-    x, y = res.operand(step, 0), res.operand(step, 1)
-    if not (
-        (res.loop_element(x) == k and res.is_constant(y))
-        or (res.loop_element(y) == k and res.is_constant(x))
-    ):
-        return False
-    init = res.origin(res.operand(w, 0))
-    if init is None or init.opcode != "tuple":
-        return False
-    return res.is_constant(res.operand(init, k))
-
-
-def preflight(hlo_text: str | hlo_lib.HloModule, *, prng_impl: str | None = None) -> list[Finding]:
+def preflight(
+    hlo_text: str | hlo_lib.HloModule,
+    *,
+    prng_impl: str | None = None,
+    jax_version: str | None = None,
+) -> list[Finding]:
     """Neuron-compatibility findings for an HLO module (see the module docstring for rules).
 
     Args:
@@ -250,23 +260,29 @@ def preflight(hlo_text: str | hlo_lib.HloModule, *, prng_impl: str | None = None
       prng_impl: the PRNG the run is configured with ("rbg", "unsafe_rbg", "threefry2x32");
         None = JAX's current ``jax_default_prng_impl``. Threefry ops are reported only when it
         is rbg or unsafe_rbg.
+      jax_version: the JAX the program runs under on Neuron; None = this process's. Philox is
+        a blocker under 0.11.x.
 
     Returns findings, blockers first, one per (rule, JAX op path) with a count (instructions
     without an op path are counted in the first finding of their rule).
     """
     mod = hlo_text if isinstance(hlo_text, hlo_lib.HloModule) else hlo_lib.parse_hlo(hlo_text)
-    if prng_impl is None:
+    if prng_impl is None or jax_version is None:
         import jax
 
-        prng_impl = str(jax.config.jax_default_prng_impl)
-    res = _Resolver(mod)
+        prng_impl = prng_impl or str(jax.config.jax_default_prng_impl)
+        jax_version = jax_version or jax.__version__
+    res = Resolver(mod)
     raw: list[tuple[str, str, hlo_lib.Instruction]] = []  # (rule, detail, instruction)
     threefry_seen: hlo_lib.Instruction | None = None
 
     for ins in mod.instructions():
         op = ins.opcode
         dtypes = ins.dtypes
-        if op == "conditional":
+        known = _neuron_234(mod, res, ins)
+        if known is not None:
+            raw.append((*known, ins))
+        elif op == "conditional":
             raw.append(("conditional", "", ins))
         elif op == "custom-call":
             target = ins.attr("custom_call_target") or ""
@@ -280,7 +296,7 @@ def preflight(hlo_text: str | hlo_lib.HloModule, *, prng_impl: str | None = None
             if op in ("infeed", "outfeed") or "is_host_transfer=true" in ins.line:
                 raw.append(("host-callback", op, ins))
         elif op == "while":
-            if not _static_trip_count(mod, res, ins):
+            if not static_trip_count(mod, res, ins):
                 raw.append(("dynamic-loop", "", ins))
         elif op in ("dot", "convolution"):
             operand_types = set()
@@ -327,7 +343,7 @@ def preflight(hlo_text: str | hlo_lib.HloModule, *, prng_impl: str | None = None
             grouped[key] = dataclasses.replace(f, count=f.count + 1)
             continue
         grouped[key] = Finding(
-            severity=_SEVERITY[rule],
+            severity=_severity(rule, jax_version),
             rule=rule,
             message=_MESSAGES[rule].format(detail=detail or _op_label(ins)),
             instruction=ins.name,

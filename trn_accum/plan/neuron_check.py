@@ -8,6 +8,8 @@ its reference (the same program another way, on the same devices, or exact arith
     platform      the JAX backend and its device count (64 per trn2.48xlarge at LNC=2)
     lnc           compiler and runtime logical-core size agree, and the runtime's device count
                   is what that size gives
+    topology      no model or fsdp group of the mesh spans Neuron devices that
+                  `neuron-ls --topology` shows unconnected (where neuron-ls exists)
     prng          the PRNG in use (rbg on Neuron), a jitted draw equal to an eager one
     psum          an all-device psum equal to its exact integer sum
     psum-procs    the same across processes (multi-process jobs only)
@@ -72,6 +74,7 @@ from trn_accum.plan.runtime_rows import (
     row_prng,
     row_psum,
     row_psum_procs,
+    row_topology,
 )
 
 __all__ = ["ROWS", "SHARP", "Check", "Row", "exit_code", "format_report", "run"]
@@ -88,6 +91,7 @@ class Row:
 ROWS: tuple[tuple[str, Callable[[Check], tuple[str, str]]], ...] = (
     ("platform", row_platform),
     ("lnc", row_lnc),
+    ("topology", row_topology),
     ("prng", row_prng),
     ("psum", row_psum),
     ("psum-procs", row_psum_procs),

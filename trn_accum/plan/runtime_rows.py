@@ -1,11 +1,13 @@
-"""`neuron-check`'s rows about the node and its runtime: platform, lnc, prng, psum, psum-procs,
-checkpoint and cache. Each row takes the `Check` and returns (status, one-line detail)."""
+"""`neuron-check`'s rows about the node and its runtime: platform, lnc, topology, prng, psum,
+psum-procs, checkpoint and cache. Each row takes the `Check` and returns (status, one-line
+detail)."""
 
 from __future__ import annotations
 
 import glob
 import os
 import shutil
+import subprocess
 import tempfile
 from collections.abc import Sequence
 from typing import Any
@@ -16,7 +18,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from trn_accum.checkpoint.checkpointer import Checkpointer
-from trn_accum.neuron import platform
+from trn_accum.config.mesh_rules import make_mesh
+from trn_accum.neuron import platform, topology
 from trn_accum.plan.node_rows import FAIL, PASS, SKIP
 from trn_accum.plan.probe import Check
 
@@ -62,6 +65,42 @@ def row_lnc(c: Check) -> tuple[str, str]:
             return FAIL, f"{detail}; the runtime gives {got} devices, LNC={lnc} gives {want}"
         detail += f"; runtime gives {got} devices"
     return PASS, detail
+
+
+def row_topology(c: Check) -> tuple[str, str]:
+    """The config's mesh on this node's cores: no model or fsdp group spans Neuron devices
+    that `neuron-ls --topology` does not show connected (`trn_accum.neuron.topology`). Runs
+    where neuron-ls exists and the backend is Neuron; skipped elsewhere, named so."""
+    exe = shutil.which("neuron-ls")
+    if exe is None or not c.on_neuron:
+        why = "neuron-ls not found" if exe is None else "the backend is not Neuron"
+        return SKIP, f"{why}: the mesh's NeuronCore connectivity is checked on a trn2 node"
+    try:
+        out = subprocess.run(
+            [exe, "--topology"], capture_output=True, text=True, timeout=60, check=True
+        )
+        topo = topology.parse_topology(out.stdout)
+        lnc = platform.lnc_setting()
+    except (OSError, subprocess.SubprocessError, ValueError) as e:
+        return FAIL, f"neuron-ls --topology: {str(e).strip().splitlines()[0] if str(e) else e!r}"
+    mesh = make_mesh(c.cfg, c.job_devices)
+    local = jax.local_devices()
+    cores = topology.visible_cores(os.environ.get("NEURON_RT_VISIBLE_CORES"), len(local))
+    grid = topology.core_grid(mesh.devices, local, cores)
+    axes = [a for a in topology.LINKED_AXES if mesh.shape.get(a, 1) > 1]
+    groups = {a: topology.axis_groups(grid, mesh.axis_names, a) for a in axes}
+    bad = topology.disconnected_groups(groups, topo, topology.core_device(topo, lnc))
+    shape = " x ".join(f"{a} {n}" for a, n in mesh.shape.items())
+    if bad:
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        return FAIL, (
+            f"mesh {shape}: {bad[0]}{more}, which are not connected (Neuron lists meshes over "
+            f"unconnected cores as crashing): pick mesh.model / mesh.fsdp sizes whose groups "
+            f"stay on linked devices, or the cores (NEURON_RT_VISIBLE_CORES) to match"
+        )
+    return PASS, f"mesh {shape}: {', '.join(axes) or 'no'} groups on connected devices " + (
+        f"({len(topo.links)} Neuron devices, LNC={lnc})"
+    )
 
 
 def row_prng(c: Check) -> tuple[str, str]:
