@@ -3,23 +3,13 @@ into a figure."""
 
 from __future__ import annotations
 
-import sys
-
 from trn_accum.errors import EXIT_OK
 
 
 def _cmd_prepare_data(args) -> int:
-    from trn_accum.data.prepare import interrupted_files, parse_shard, prepare_data
+    from trn_accum.data.prepare import parse_shard, prepare_data
 
     shard = parse_shard(args.shard) if args.shard is not None else None
-
-    left = interrupted_files(args.out)
-    if left:
-        print(
-            f"prepare-data: {args.out} holds the temporary files of an interrupted run "
-            f"({', '.join(left)}): starting over",
-            file=sys.stderr,
-        )
     meta = prepare_data(
         args.text_files,
         args.out,
@@ -57,7 +47,10 @@ def add_parsers(sub) -> None:
         "--text-field", default="text", help="the JSONL field / Parquet column with the text"
     )
     pd.add_argument(
-        "--workers", type=int, default=None, help="encoder processes (default: the cores)"
+        "--workers",
+        type=int,
+        default=None,
+        help="encoder processes (default: the cores; never more than the tasks)",
     )
     pd.add_argument(
         "--shard", default=None, metavar="I/N", help="prepare only part I (0..N-1) of N, by file"

@@ -18,13 +18,14 @@ this process.
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import itertools
 import json
 import multiprocessing
 import os
 import signal
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import NamedTuple
@@ -41,7 +42,7 @@ _EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>
 class BytesTokenizer:
     """UTF-8 bytes as ids 0..255, eos 256."""
 
-    name = "bytes"
+    name = digest = "bytes"
     vocab_size = BYTES_VOCAB_SIZE
     eos_id = BYTES_EOS_ID
 
@@ -73,6 +74,8 @@ class HFTokenizer:
                 f"HuggingFace tokenizer.json"
             ) from None
         self.name = os.path.abspath(path)
+        with open(path, "rb") as f:  # the tokenizer's identity: what its file holds
+            self.digest = "blake2b:" + hashlib.file_digest(f, _blake2b_16).hexdigest()
         self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
         eos = next(
             (i for t in _EOS_CANDIDATES if (i := self._tok.token_to_id(t)) is not None), None
@@ -88,6 +91,10 @@ class HFTokenizer:
         # encode_batch_fast (tokenizers >= 0.20): the same ids, without the character offsets
         encode = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
         return [e.ids for e in encode(texts, add_special_tokens=False)]
+
+
+def _blake2b_16():
+    return hashlib.blake2b(digest_size=16)
 
 
 def load_tokenizer(spec: str) -> BytesTokenizer | HFTokenizer:
@@ -151,6 +158,19 @@ def _field(where: str, record, field: str) -> str:
     return value
 
 
+def _refuse_surrogate(where: str, text: str) -> None:
+    """A JSON string may escape half of a UTF-16 pair alone ("\\ud83d"): not a character,
+    so not text any tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise DataError(
+            f"{where} holds a lone surrogate \\u{ord(text[e.start]):04x} at character "
+            f"{e.start} (half of a UTF-16 pair, not a character): fix the record (e.g. "
+            f"replace it with \\ufffd)"
+        ) from None
+
+
 def _jsonl_records(chunk: Chunk, field: str) -> Iterator[tuple[str, str]]:
     for i, line in enumerate(chunk.payload.split(b"\n")):
         if not line.strip():
@@ -163,7 +183,10 @@ def _jsonl_records(chunk: Chunk, field: str) -> Iterator[tuple[str, str]]:
             raise DataError(
                 f"{where} is not a JSON object ({reason}): fix the line or pass plain .txt files"
             ) from None
-        yield where, _field(where, record, field)
+        text = _field(where, record, field)
+        if b"\\u" in line:  # only an escape can make a surrogate
+            _refuse_surrogate(where, text)
+        yield where, text
 
 
 def _documents(chunk: Chunk, spec: EncodeSpec) -> Iterator[tuple[str, str, bool]]:
@@ -233,15 +256,39 @@ def default_workers() -> int:
         return os.cpu_count() or 1
 
 
+#: seconds between two `check` calls while waiting for a worker
+POLL_S = 0.1
+
+
+def _nothing() -> None:
+    return None
+
+
+def _result(future, check: Callable[[], None]) -> Encoded:
+    while True:
+        try:
+            return future.result(timeout=POLL_S)
+        except TimeoutError:
+            check()
+
+
 def encode_ordered(
-    tasks: Iterable[Task], spec: EncodeSpec, workers: int
+    tasks: Iterable[Task], spec: EncodeSpec, workers: int, check: Callable[[], None] = _nothing
 ) -> Iterator[tuple[Encoded, Task]]:
     """(Encoded, its Task) for each task, in order. One worker, or a single task: in this
-    process; else `workers` forked processes, at most 2 * workers tasks in flight."""
+    process; else at most `workers` forked processes, no more than there are tasks (the first
+    `workers` tasks are read before any starts), at most 2 * workers tasks in flight.
+
+    On an error (or Ctrl-C, or the caller closing this generator) the tasks not yet started
+    are cancelled and the workers finish the one they hold and exit: a worker is never killed
+    while it writes its result, which would leave the result pipe torn and the pool's
+    shutdown waiting on it for good. `check` is called every `POLL_S` seconds while it waits
+    for a worker (it may raise, e.g. the caller's KeyboardInterrupt for a SIGINT it noted)."""
     tasks = iter(tasks)
-    head = list(itertools.islice(tasks, 2))
+    head = list(itertools.islice(tasks, max(workers, 2)))
+    workers = min(workers, len(head))
     tasks = itertools.chain(head, tasks)
-    if workers <= 1 or len(head) < 2:
+    if workers <= 1:
         _init(spec, None)
         try:
             for task in tasks:
@@ -249,7 +296,6 @@ def encode_ordered(
         finally:
             _state.clear()  # the tokenizer is not kept past the run
         return
-    before = set(multiprocessing.active_children())
     pool = ProcessPoolExecutor(
         workers,
         multiprocessing.get_context("fork"),
@@ -257,24 +303,31 @@ def encode_ordered(
         initargs=(spec, os.getpid()),
     )
     pending: deque = deque()
-    finished = False
     try:
         for task in tasks:
-            pending.append((pool.submit(encode_task, task), task))
+            pending.append((_submit(pool, task, workers), task))
             if len(pending) >= 2 * workers:
                 future, done = pending.popleft()
-                yield future.result(), done
+                yield _result(future, check), done
         while pending:
             future, done = pending.popleft()
-            yield future.result(), done
-        finished = True
+            yield _result(future, check), done
     except BrokenProcessPool:
         raise DataError(
             f"a prepare-data worker process died (killed, or out of memory?) with {workers} "
             f"workers: run again, with a smaller --workers if memory is short"
         ) from None
     finally:
-        if not finished:  # an error, Ctrl-C: stop now, not after the tasks already queued
-            for worker in set(multiprocessing.active_children()) - before:
-                worker.kill()
+        for future, _ in pending:
+            future.cancel()
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _submit(pool: ProcessPoolExecutor, task: Task, workers: int):
+    try:  # the first submit forks the workers
+        return pool.submit(encode_task, task)
+    except OSError as e:
+        raise DataError(
+            f"cannot start {workers} prepare-data worker processes ({e.strerror or e}): pass a "
+            f"smaller --workers"
+        ) from None

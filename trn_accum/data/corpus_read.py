@@ -7,7 +7,13 @@ compressed) and Parquet, cut into chunks of about `CHUNK_BYTES` that the encoder
 
 The format comes from the file name: `.parquet`; `.jsonl` (one document per line, its
 `text_field`), optionally `.gz` (gzip) or `.zst`/`.zstd` (zstd, needs `zstandard`); anything
-else is plain text (optionally `.gz`/`.zst`), one document per file. Parquet needs `pyarrow`.
+else is plain text (optionally `.gz`/`.zst`), one document per file. Parquet needs `pyarrow`;
+its text column may be any Arrow string type (string, large_string, string_view, or a
+dictionary of those).
+
+A compressed file is read to its true end: one that ends inside a gzip member or a zstd frame
+(a cut download), or a 0-byte one (no stream at all), is an error naming the file, whatever
+its content would be.
 
 Memory stays bounded whatever the file size: text and JSONL are read `CHUNK_BYTES` at a time
 and cut at a line boundary (a JSONL line is never split, so one line is the only unbounded
@@ -39,6 +45,8 @@ PARQUET_ROWS = 1024
 _COMPRESSION = {".gz": "gzip", ".zst": "zstd", ".zstd": "zstd"}
 _WHITESPACE = b" \t\n\r\x0b\x0c"
 _ZSTD_MAX_WINDOW = 1 << 31  # files written with `zstd --long=31`
+#: compressed bytes fed to zstd at a time (bounds the output of one call)
+_ZSTD_FEED = 1 << 13
 
 
 class Chunk(NamedTuple):
@@ -138,7 +146,7 @@ def _parquet_file(path: str, text_field: str):
             f"--text-field with the column that holds the text"
         )
     column_type = schema.field(text_field).type
-    if not (pa.types.is_string(column_type) or pa.types.is_large_string(column_type)):
+    if not _is_text(pa, column_type):
         raise DataError(
             f"{path} column {text_field!r} is {column_type}, not a string: pass --text-field "
             f"with the column that holds the text"
@@ -146,17 +154,68 @@ def _parquet_file(path: str, text_field: str):
     return pf
 
 
+def _is_text(pa, column_type) -> bool:
+    """Whether an Arrow type holds strings: string, large_string, string_view, or a
+    dictionary whose values are one of those."""
+    if pa.types.is_dictionary(column_type):
+        column_type = column_type.value_type
+    is_view = getattr(pa.types, "is_string_view", lambda t: False)  # pyarrow >= 16
+    return (
+        pa.types.is_string(column_type)
+        or pa.types.is_large_string(column_type)
+        or is_view(column_type)
+    )
+
+
+class _ZstdFrames(io.RawIOBase):
+    """The decompressed bytes of zstd frames back to back; EOFError when the file ends inside
+    a frame (`zstandard`'s stream reader ends quietly there)."""
+
+    def __init__(self, raw, zstd):
+        self._raw, self._zstd, self._dec, self._out = raw, zstd, None, b""
+
+    def readable(self) -> bool:
+        return True
+
+    def _frame(self):
+        return self._zstd.ZstdDecompressor(max_window_size=_ZSTD_MAX_WINDOW).decompressobj()
+
+    def readinto(self, b) -> int:
+        while not self._out:
+            data = self._raw.read(_ZSTD_FEED)
+            if not data:
+                if self._dec is None:
+                    raise EOFError("0 bytes: no zstd frame")
+                if not self._dec.eof:
+                    raise EOFError("the file ends inside a zstd frame")
+                return 0
+            out = []
+            while data:
+                if self._dec is None or self._dec.eof:
+                    self._dec = self._frame()
+                out.append(self._dec.decompress(data))
+                data = self._dec.unused_data if self._dec.eof else b""
+            self._out = b"".join(out)
+        n = min(len(b), len(self._out))
+        b[:n] = self._out[:n]
+        self._out = self._out[n:]
+        return n
+
+
 def _open(path: str, compression: str | None) -> tuple[io.BufferedIOBase, io.BufferedIOBase]:
     """(the decompressed byte stream, the file on disk) of `path`."""
     raw = open(path, "rb")
+    if compression is not None and os.fstat(raw.fileno()).st_size == 0:
+        raw.close()
+        raise DataError(
+            f"{path} is 0 bytes, not a {compression} stream (a cut or failed download; an "
+            f"empty corpus file compresses to more than 0 bytes): re-download it, or leave it out"
+        )
     if compression == "gzip":
         return gzip.GzipFile(fileobj=raw), raw
     if compression == "zstd":
         zstd = _need("zstandard", f"the zstd file {path}")
-        reader = zstd.ZstdDecompressor(max_window_size=_ZSTD_MAX_WINDOW).stream_reader(
-            raw, read_across_frames=True
-        )
-        return io.BufferedReader(reader, CHUNK_BYTES), raw
+        return io.BufferedReader(_ZstdFrames(raw, zstd), CHUNK_BYTES), raw
     return raw, raw
 
 
@@ -238,6 +297,11 @@ def _stream_chunks(path: str, kind: str, compression: str | None, size: int):
 
 def _corrupt(path: str, compression: str | None, disk, e: Exception) -> DataError:
     what = f"a valid {compression} stream" if compression else "readable"
+    if isinstance(e, EOFError):
+        return DataError(
+            f"{path} is not {what}: the file ends inside it, at byte {disk.tell()} ({e}); it "
+            f"was cut short (an interrupted download or copy?): re-download or recompress it"
+        )
     return DataError(
         f"{path} is not {what} near byte {disk.tell()} of the file ({e}): re-download or "
         f"recompress it"
@@ -281,19 +345,24 @@ def _chunk_bytes(chunk: Chunk) -> int:
 
 
 def tasks(
-    paths: Iterable[str], *, text_field: str = "text", size: int = CHUNK_BYTES
+    paths: Iterable[str], *, text_field: str = "text", size: int = CHUNK_BYTES, on_empty=None
 ) -> Iterator[Task]:
     """The chunks of `paths`, in order, joined into tasks of at least `size` bytes (the last one
     may be smaller). How the input is cut depends on the input and `size` only, so the output
-    is the same whatever the number of encoders."""
+    is the same whatever the number of encoders. `on_empty(path)` is called for each file
+    without content (no byte of text or JSONL once decompressed, no Parquet row)."""
     group, group_bytes, disk_bytes = [], 0, 0
     for path in paths:
+        content = 0
         for chunk, seen in chunks(path, text_field=text_field, size=size):
             group.append(chunk)
             group_bytes += _chunk_bytes(chunk)
+            content += _chunk_bytes(chunk) or int(chunk.kind == "parquet" and len(chunk.payload))
             disk_bytes += seen
             if group_bytes >= size:
                 yield Task(tuple(group), disk_bytes)
                 group, group_bytes, disk_bytes = [], 0, 0
+        if content == 0 and on_empty is not None:
+            on_empty(path)
     if group:
         yield Task(tuple(group), disk_bytes)

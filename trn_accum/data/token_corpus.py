@@ -2,13 +2,17 @@
 --shard I/N` writes), read as one token stream.
 
 ``data.path`` names a directory (or its meta.json), a glob (``"data/tok/shard-*"``: its
-matches, sorted) or a list of those (each in turn, in the list's order). The shards' documents
+matches, the parts of one `--shard I/N` run in the order of their recorded index I, so
+part-2 comes before part-10, other matches sorted by name) or a list of those (each in turn,
+in the list's order). The shards' documents
 follow one another in that order, each shard's own offsets shifted by the tokens before it, so
 shards 0..N-1 of a corpus give exactly the tokens and document boundaries of one unsharded
 prepare-data (a document never spans two shards: every one ends with its end-of-text id).
 Every shard is checked as one directory is (`tokens.read_meta`); the shards must agree on what
-makes their ids one vocabulary (`MUST_AGREE`). Tokens stay on disk, read with ``os.pread``
-(`tokens.TokenFile`, one per shard); only the document offsets (8 bytes a document) are held.
+makes their ids one vocabulary (`MUST_AGREE`, the digest of the tokenizer.json included: two
+tokenizers of one vocabulary size and end-of-text id are still two vocabularies). Tokens stay
+on disk, read with ``os.pread`` (`tokens.TokenFile`, one per shard); only the document offsets
+(8 bytes a document) are held.
 
 The identity of a set is a fingerprint over its shards' fingerprints in order, so adding,
 dropping, reordering or re-preparing a shard is a data change on resume (`trn_accum.train.
@@ -20,6 +24,7 @@ from __future__ import annotations
 import functools
 import glob
 import hashlib
+import json
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -29,7 +34,7 @@ import numpy as np
 from trn_accum.data.tokens import META_FILE, DataError, TokenFile, fingerprint, read_meta
 
 #: sidecar fields every shard of one corpus must share: their ids are one vocabulary
-MUST_AGREE = ("format", "dtype", "vocab_size", "eos_id", "pad_id")
+MUST_AGREE = ("format", "dtype", "vocab_size", "eos_id", "pad_id", "tokenizer_digest")
 _GLOB_CHARS = "*?["
 
 
@@ -51,7 +56,32 @@ def _expand(item: str) -> list[str]:
             f"data.path glob {item!r} matches no directory: run `trn-accum prepare-data "
             f"--shard I/N` (or launch/slurm/prepare-data.sbatch) first, or fix the pattern"
         )
-    return found
+    return by_part(found)
+
+
+def _part(path: str) -> tuple[str, int] | None:
+    """(run, index) of a `--shard I/N` part's meta.json, else None (read_meta judges it later)."""
+    meta_path = os.path.join(path, META_FILE) if os.path.isdir(path) else path
+    try:
+        with open(meta_path, encoding="utf-8") as f:
+            part = json.load(f)["shard"]
+        return str(part["run"]), int(part["index"])
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+
+
+def by_part(paths: list[str]) -> list[str]:
+    """`paths` (sorted by name) with the parts of each `--shard I/N` run in index order, the
+    run's parts at the place of its first one; other paths stay where they are."""
+    parts = [_part(p) for p in paths]
+    first: dict[str, int] = {}
+    keys = []
+    for i, part in enumerate(parts):
+        if part is None:
+            keys.append((i, 0))
+        else:
+            keys.append((first.setdefault(part[0], i), part[1]))
+    return [p for _, p in sorted(zip(keys, paths, strict=True), key=lambda kp: kp[0])]
 
 
 def corpus_dirs(path: str | Sequence[str]) -> list[str]:

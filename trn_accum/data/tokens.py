@@ -3,11 +3,14 @@
     DIR/tokens.bin    the token ids, uint16 (vocabulary <= 65536) or uint32, documents back to back
     DIR/offsets.npy   int64 [documents + 1], document boundaries in tokens
     DIR/meta.json     the sidecar: format, dtype, vocab_size, eos/pad ids, max_token_id,
-                      num_tokens, num_documents, file names, tokenizer, a content hash
+                      num_tokens, num_documents, file names, tokenizer (its path and digest),
+                      a content hash, and sampled digests of both files (`sample_blake2b`)
 
 Everything read here is treated as possibly garbage or changed under us: `read_meta` checks
-every field, the file sizes and the permissions (one-line `DataError`s naming the file, the
-rule and a fix); `TokenFile` reads windows with `os.pread`, so a file that shrinks under a
+every field, the file sizes, the permissions and, where the sidecar records them, the sampled
+digests of both files taken when they were written (so a file that is not the one the sidecar
+vouches for, e.g. another run's, is refused; one-line `DataError`s naming the file, the rule
+and a fix); `TokenFile` reads windows with `os.pread`, so a file that shrinks under a
 running trainer is a short read (a `DataError`), not the SIGBUS a memory map would raise;
 `fingerprint` is the data's identity in the run record (`trn_accum.config.drift`), cheap on
 large files: the sidecar, both file sizes and sampled blocks of both files.
@@ -130,12 +133,32 @@ def read_meta(path: str) -> dict[str, Any]:
             f"{meta['num_tokens']} {meta['dtype']} tokens = {expected} bytes (truncated or "
             f"replaced): re-run `trn-accum prepare-data`"
         )
+    _check_samples(meta, meta_path, tokens_path, offsets_path)
     if meta["num_tokens"] == 0 or meta["num_documents"] == 0:
         raise DataError(
             f"token data {meta_path} is empty ({meta['num_tokens']} tokens, "
             f"{meta['num_documents']} documents): prepare it from non-empty text files"
         )
     return {**meta, "tokens_path": tokens_path, "offsets_path": offsets_path}
+
+
+def _check_samples(meta: dict, meta_path: str, tokens_path: str, offsets_path: str) -> None:
+    """DataError when a file's sampled digest differs from the one `meta_path` recorded."""
+    recorded = meta.get("sample_blake2b")
+    if recorded is None:  # written before sidecars recorded them: the sizes were checked
+        return
+    if not isinstance(recorded, dict):
+        raise DataError(
+            f"token metadata {meta_path}: sample_blake2b = {recorded!r} is not a mapping "
+            f"(damaged or foreign file): re-run `trn-accum prepare-data`"
+        )
+    for key, path in (("tokens", tokens_path), ("offsets", offsets_path)):
+        if sampled_digest(path).hex() != recorded.get(key):
+            raise DataError(
+                f"token data file {path} is not the one {meta_path} was written with (its "
+                f"sampled digest differs: changed, or written by another run): re-run "
+                f"`trn-accum prepare-data`"
+            )
 
 
 def check_vocab(meta: Mapping[str, Any], model_vocab: int) -> None:
@@ -204,7 +227,7 @@ def check_ids(ids: np.ndarray, model_vocab: int, *, rows: np.ndarray, where: str
         )
 
 
-def _sampled_digest(path: str) -> bytes:
+def sampled_digest(path: str) -> bytes:
     """blake2b of the size and SAMPLE_BLOCKS evenly spaced blocks (the whole file if smaller)."""
     h = hashlib.blake2b(digest_size=16)
     try:
@@ -230,6 +253,6 @@ def fingerprint(meta: Mapping[str, Any]) -> str:
     num_tokens, num_documents, max_token_id)."""
     ident = {k: v for k, v in meta.items() if k not in _NOT_IDENTITY}
     h = hashlib.blake2b(json.dumps(ident, sort_keys=True).encode(), digest_size=16)
-    h.update(_sampled_digest(meta["tokens_path"]))
-    h.update(_sampled_digest(meta["offsets_path"]))
+    h.update(sampled_digest(meta["tokens_path"]))
+    h.update(sampled_digest(meta["offsets_path"]))
     return "blake2b:" + h.hexdigest()
