@@ -13,10 +13,13 @@ the mesh and the device or node count are free too). A key missing from an old r
 to the config later) is compared as its default.
 
 The record also holds the data's identity, ``data.fingerprint`` (`trn_accum.data.tokens.
-fingerprint` of a prepared token directory; None for synthetic data, which the config fully
-determines): data re-prepared into the same path between two runs is a trajectory change like
-any other (``--allow-config-change data`` or ``data.fingerprint`` accepts it). A record from
-before the fingerprint existed is not checked for it.
+fingerprint` of a prepared token directory; sampled digests of a Megatron .bin/.idx pair or of
+a Hugging Face dataset's Arrow files; for a mixture, one line listing every component's name,
+kind, weight and fingerprint, in order, beside the ``data.mixture`` tables themselves; None for
+synthetic data, which the config fully determines): data re-prepared into the same path
+between two runs, or a mixture with another weight or component, is a trajectory change like
+any other (``--allow-config-change data`` or ``data.fingerprint`` / ``data.mixture`` accepts
+it). A record from before the fingerprint existed is not checked for it.
 """
 
 from __future__ import annotations

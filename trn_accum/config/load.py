@@ -38,6 +38,7 @@ from trn_accum.config.sections import (
     TrainerConfig,
 )
 from trn_accum.core.mesh import check_axis_sizes
+from trn_accum.data.datasets import config_problem as data_problem
 
 __all__ = [
     "ConfigError",
@@ -179,6 +180,8 @@ def _describe(tp, choices) -> str:
         return 'an integer or "auto"'
     if tp == (str | list[str]):  # data.path
         return "a directory or glob, or a non-empty list of them"
+    if tp == list[dict]:  # data.mixture
+        return "a list of tables {path, weight, kind}"
     return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}[tp]
 
 
@@ -198,6 +201,8 @@ def _check_type(key: str, value: Any, tp, choices) -> None:
         ok = isinstance(value, str) or (
             isinstance(value, list) and bool(value) and all(isinstance(v, str) and v for v in value)
         )
+    elif tp == list[dict]:  # data.mixture (each table: `data.datasets.config_problem`)
+        ok = isinstance(value, list) and all(isinstance(v, dict) for v in value)
     else:  # pragma: no cover - a field type this module does not know
         raise TypeError(f"{key}: unsupported field type {tp}")
     if not ok:
@@ -317,12 +322,8 @@ def _check_config(cfg: Config) -> None:
     _require(d.eval_batches >= 0, "data.eval_batches", d.eval_batches, "must be >= 0")
     for key, seed in (("data.seed", d.seed), ("trainer.seed", t.seed)):
         _require(0 <= seed <= MAX_SEED, key, seed, f"must be in 0..{MAX_SEED} (a 32-bit seed)")
-    _require(
-        d.kind != "tokens" or bool(d.path),
-        "data.path",
-        d.path,
-        'must name the token directory when data.kind = "tokens"',
-    )
+    if problem := data_problem(d.kind, d.path, d.mixture):
+        raise ConfigError(problem)
 
     _require(o.peak_lr > 0, "optimizer.peak_lr", o.peak_lr, "must be > 0")
     _require(o.weight_decay >= 0, "optimizer.weight_decay", o.weight_decay, "must be >= 0")

@@ -47,8 +47,11 @@ class MeshConfig:
 @dataclass(frozen=True)
 class DataConfig:
     kind: str = field(default="synthetic", metadata=_choice(*DATA_KINDS))
-    # kind = "tokens": a prepared directory, a glob of shard directories, or a list of those
+    # kind = "tokens": a prepared directory, a glob of shard directories, or a list of those;
+    # "megatron": the PREFIX of PREFIX.bin/.idx; "hf": a save_to_disk directory
     path: str | list[str] = ""
+    # kind = "mixture": [{path = ..., weight = 0.5, kind = "tokens"|"megatron"|"hf"}, ...]
+    mixture: list[dict] = field(default_factory=list)
     seq_len: int = 8192
     global_batch: int = 2048  # sequences per optimizer step, over all devices and minibatches
     seed: int = 0

@@ -12,6 +12,11 @@ size), so a resumed run sees the batches it would have seen and every process bu
 
 - ``SyntheticDataset``: a fixed random first-order Markov chain (seeded), some rows cut short
   and padded (minibatches carry unequal numbers of real tokens). No files.
+- ``TokenDataset`` over a corpus read in place: a Megatron indexed dataset (``.bin``/``.idx``,
+  memory-mapped: `trn_accum.data.megatron`) or a Hugging Face dataset saved to disk (Arrow,
+  memory-mapped: `trn_accum.data.hf_arrow`), its documents as stored.
+- ``MixtureDataset``: several corpora drawn in exact proportions per window of samples
+  (`trn_accum.data.mixture`); ``step_metrics`` gives the tokens drawn from each per step.
 - ``TokenDataset``: a flat token file (uint16/uint32, read with ``os.pread``), a
   document-offsets file and a JSON sidecar (read as possibly garbage: every field is checked;
   `trn_accum.data.tokens`), written by ``trn_accum.data.prepare``, or a set of such shard
@@ -26,13 +31,17 @@ size), so a resumed run sees the batches it would have seen and every process bu
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
 
 from trn_accum.data.batches import assemble, check_common, check_rows, check_split
-from trn_accum.data.token_dataset import TokenDataset
+from trn_accum.data.hf_arrow import ArrowCorpus
+from trn_accum.data.megatron import MegatronCorpus
+from trn_accum.data.mixture import MixtureDataset, component_specs
+from trn_accum.data.token_corpus import TokenCorpus
+from trn_accum.data.token_dataset import TokenDataset, check_one_sequence
 from trn_accum.data.tokens import DataError, check_vocab, read_meta
 
 __all__ = [  # DataError, check_vocab and read_meta (trn_accum.data.tokens): this API too
@@ -45,12 +54,14 @@ __all__ = [  # DataError, check_vocab and read_meta (trn_accum.data.tokens): thi
     "check_vocab",
     "global_batch",
     "make_dataset",
+    "MixtureDataset",
     "process_rows",
+    "step_metrics",
     "read_meta",
 ]
 
 BATCH_KEYS = ("input_ids", "target_labels", "target_mask")
-DATA_KINDS = ("synthetic", "tokens")
+DATA_KINDS = ("synthetic", "tokens", "megatron", "hf", "mixture")
 
 
 class Dataset(Protocol):
@@ -158,9 +169,13 @@ def make_dataset(
     path: str | Sequence[str] | None = None,
     eval_fraction: float = 0.01,
     max_seq_len: int | None = None,
-) -> SyntheticDataset | TokenDataset:
-    """``kind`` "synthetic" or "tokens" (then ``path`` = a prepared dir or its meta.json, a glob
-    of shard dirs, or a list of those: `trn_accum.data.token_corpus`).
+    mixture: Sequence[Mapping[str, Any]] = (),
+) -> SyntheticDataset | TokenDataset | MixtureDataset:
+    """``kind`` "synthetic"; "tokens" (then ``path`` = a prepared dir or its meta.json, a glob
+    of shard dirs, or a list of those: `trn_accum.data.token_corpus`); "megatron" (``path`` =
+    the PREFIX of PREFIX.bin/.idx: `trn_accum.data.megatron`); "hf" (``path`` = a
+    save_to_disk directory: `trn_accum.data.hf_arrow`); "mixture" (``mixture`` = the
+    data.mixture tables: `trn_accum.data.mixture`).
 
     ``vocab_size`` is the model's: synthetic ids stay below it; token data whose vocabulary is
     larger is a ``DataError``.
@@ -173,22 +188,72 @@ def make_dataset(
             seed=seed,
             max_seq_len=max_seq_len,
         )
-    if kind == "tokens":
-        if not path:
-            raise DataError(
-                "data kind 'tokens' needs a path: set the data path to a directory written by "
-                "`trn-accum prepare-data` (or a glob or list of its shard directories)"
-            )
-        return TokenDataset(
-            path,
-            seq_len=seq_len,
-            batch_size=batch_size,
-            seed=seed,
-            eval_fraction=eval_fraction,
-            model_vocab=vocab_size,
-            max_seq_len=max_seq_len,
+    common = dict(seq_len=seq_len, batch_size=batch_size, seed=seed, eval_fraction=eval_fraction)
+    common.update(model_vocab=vocab_size, max_seq_len=max_seq_len)
+    if kind == "mixture":
+        specs = component_specs(list(mixture))
+        parts = [_corpus_dataset(c["kind"], c["path"], common, True) for c in specs]
+        return MixtureDataset(parts, specs)
+    if mixture:
+        raise DataError(
+            f'data.mixture is set but data.kind is {kind!r}: set data.kind = "mixture" to draw '
+            f"from its components, or remove data.mixture"
         )
+    if kind in ("tokens", "megatron", "hf"):
+        return _corpus_dataset(kind, path, common, kind != "tokens")
     raise DataError(f"data kind {kind!r} is not one of {DATA_KINDS}: use one of those")
+
+
+_NEEDS_PATH = {
+    "tokens": "a directory written by `trn-accum prepare-data` (or a glob or list of its "
+    "shard directories)",
+    "megatron": "the prefix of a Megatron PREFIX.bin/PREFIX.idx pair",
+    "hf": "a directory written by datasets.Dataset.save_to_disk",
+}
+
+
+def _corpus_dataset(kind: str, path, common: dict, whole_sequence: bool) -> TokenDataset:
+    """The `TokenDataset` of one corpus of `kind`; with `whole_sequence`, a corpus of fewer
+    tokens than one sequence is refused."""
+    if not path:
+        raise DataError(
+            f"data kind {kind!r} needs a path: set the data path to {_NEEDS_PATH[kind]}"
+        )
+    if kind != "tokens" and not isinstance(path, str):
+        raise DataError(f"data kind {kind!r} reads one corpus: data.path = {path!r} names several")
+    vocab = int(common["model_vocab"])
+    if kind == "megatron":
+        corpus = MegatronCorpus(path, vocab)
+    elif kind == "hf":
+        corpus = ArrowCorpus(path, vocab)
+    else:
+        corpus = TokenCorpus(path)
+    if whole_sequence:
+        check_one_sequence(corpus, common["seq_len"])
+    return TokenDataset(path, corpus=corpus, **common)
+
+
+def config_problem(kind: str, path: str | Sequence[str], mixture: Sequence[Any]) -> str | None:
+    """The one line a [data] section's kind, path and mixture earn at load time, or None."""
+    if (kind == "mixture") != bool(mixture):
+        return (
+            f"data.kind = {kind!r} with data.mixture = {list(mixture)!r}: a mixture needs "
+            f'data.kind = "mixture" and a non-empty data.mixture (tables {{path, weight, kind}})'
+        )
+    if kind in _NEEDS_PATH and not path:
+        return f"data.path = {path!r}: must name {_NEEDS_PATH[kind]} when data.kind = {kind!r}"
+    try:
+        if mixture:
+            component_specs(list(mixture))
+    except DataError as e:
+        return str(e)
+    return None
+
+
+def step_metrics(dataset: Dataset, step: int) -> dict[str, float]:
+    """The data fields of train step `step`'s metrics.jsonl record (0-based `step`): the target
+    tokens drawn from each mixture component and, once it wraps, its epoch; {} otherwise."""
+    return dataset.step_metrics(step) if isinstance(dataset, MixtureDataset) else {}
 
 
 # --------------------------------------------------------------------------- global batches

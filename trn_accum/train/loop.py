@@ -251,7 +251,8 @@ def _loop(trainer: Trainer, state, run: _Run) -> int:
             _warn_skipped(run, cfg, done, m, watch.skipped)
         failure = run.ckpt.background_failure()  # once: it reports a failed save once
         if failure is None:  # else the disk that failed the save would fail this write too
-            _log_step(run, done, rate.record(m, dt, watch.skipped))
+            extra = data_lib.step_metrics(trainer.dataset, s)  # tokens per mixture part
+            _log_step(run, done, {**rate.record(m, dt, watch.skipped), **extra})
         if _boundary(trainer, state, run, done, watch=watch, failure=failure, bad_batch=bad_batch):
             return EXIT_PREEMPTED
         t_prev = time.perf_counter()  # eval and checkpoint time is not step time

@@ -72,6 +72,7 @@ class Trainer:
             seed=cfg.data.seed,
             path=cfg.data.path or None,
             max_seq_len=cfg.model.max_seq_len,
+            mixture=cfg.data.mixture,
         )
         cfg, tuned = settings(cfg, mesh) if settings is not None else (cfg, None)
         if auto_keys(cfg):
