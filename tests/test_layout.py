@@ -33,7 +33,7 @@ ALLOWED = {
     "plan": {"errors", "core", "model", "neuron", "analysis", "cluster", *LOWER, "train"},
     # Hugging Face Llama checkpoints in and out of run directories
     "interop": {"errors", "core", "model", "neuron", "analysis", "cluster", *LOWER, "train"},
-    "optax": {"core"},  # optax adapters (accumulation across calls)
+    "optax": {"core", "errors"},  # optax adapters (accumulation across calls)
     "cli": {
         "errors",
         "core",

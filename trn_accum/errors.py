@@ -13,6 +13,8 @@ nothing of exit codes.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 EXIT_OK = 0
 #: A check failed (dry-run blockers, a failing `neuron-check` row); also what Python exits
 #: with on an uncaught exception (a bug: the traceback is kept).
@@ -44,3 +46,10 @@ class UserError(ValueError):
 def one_line(message: object) -> str:
     """`message` with all whitespace runs (newlines included) collapsed to single spaces."""
     return " ".join(str(message).split())
+
+
+def listed(items: Sequence[str], most: int = 3, sep: str = "; ") -> str:
+    """The first `most` of `items` joined by `sep`, and how many more there are: the list a
+    one-line error names ("a; b; c and 4 more")."""
+    more = f" and {len(items) - most} more" if len(items) > most else ""
+    return sep.join(items[:most]) + more

@@ -47,6 +47,7 @@ import optax
 from jax.dtypes import float0
 
 from trn_accum.core.accumulator import Accumulator, Carry, all_finite, minibatch_weight
+from trn_accum.errors import listed
 
 __all__ = ["MultiStepsState", "has_updated", "multi_steps", "with_k"]
 
@@ -175,9 +176,8 @@ def _refuse_float0(updates: Any) -> None:
     leaves = jax.tree_util.tree_leaves_with_path(updates)
     bad = [jax.tree_util.keystr(p) for p, g in leaves if getattr(g, "dtype", None) == float0]
     if bad:
-        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
         raise ValueError(
-            f"multi_steps: gradient leaf {', '.join(bad[:3])}{more} has dtype float0 (what "
+            f"multi_steps: gradient leaf {listed(bad, sep=', ')} has dtype float0 (what "
             f"jax.grad(allow_int=True) gives an integer parameter), which cannot be summed or "
             f"applied: take the gradient of the float parameters only (pass integer leaves to "
             f"the loss as another argument)"

@@ -63,7 +63,7 @@ from trn_accum.checkpoint.save_errors import (
     first_line,
 )
 from trn_accum.checkpoint.shapes import abstract_state, leaf_path, shape_mismatches
-from trn_accum.errors import EXIT_SAVE_FAILED, UserError
+from trn_accum.errors import EXIT_SAVE_FAILED, UserError, listed
 
 __all__ = ["CheckpointError", "Checkpointer", "abstract_state", "make_writable_dir"]
 
@@ -366,10 +366,9 @@ class Checkpointer:
             return
         bad = shape_mismatches(have, abstract_target) if have else []
         if bad:
-            more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
             raise CheckpointError(
                 f"checkpoint {self.step_path(step)} holds a state of other shapes than this "
-                f"config makes: {'; '.join(bad[:3])}{more}: it was written with another model "
+                f"config makes: {listed(bad)}: it was written with another model "
                 f"config; resume with the config it was saved with, or start a new run dir"
             )
 

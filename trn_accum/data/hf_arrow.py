@@ -23,8 +23,8 @@ import os
 
 import numpy as np
 
-from trn_accum.data.megatron import FileWatch, sampled_digest, sampled_ids_check
-from trn_accum.data.tokens import DataError
+from trn_accum.data.megatron import FileWatch, sampled_ids_check
+from trn_accum.data.tokens import DataError, sampled_digest
 
 COLUMN = "input_ids"
 STATE_FILE = "state.json"

@@ -18,7 +18,7 @@ so a corpus from a larger tokenizer is refused before anything compiles.
 
 Also here, shared with `trn_accum.data.hf_arrow`: `FileWatch` (a file replaced, truncated or
 rewritten under a running job is a one-line DataError at the next batch, before the memory map
-is read past its end), `sampled_ids_check` and `sampled_digest` (the corpus's identity).
+is read past its end), `sampled_ids_check` and `tokens.sampled_digest` (the corpus's identity).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import struct
 
 import numpy as np
 
-from trn_accum.data.tokens import DataError
+from trn_accum.data.tokens import DataError, sampled_digest
 
 MAGIC = b"MMIDIDX\x00\x00"
 HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequences, documents
@@ -70,23 +70,6 @@ class FileWatch:
                     f"truncated or rewritten): restore it and resume (the last checkpoint is "
                     f"intact)"
                 )
-
-
-def sampled_digest(path: str) -> bytes:
-    """blake2b of a file's size and SAMPLE_BLOCKS evenly spaced 64 KiB blocks (all of it when
-    smaller)."""
-    block = 1 << 16
-    h = hashlib.blake2b(digest_size=16)
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        h.update(size.to_bytes(8, "little"))
-        if size <= SAMPLE_BLOCKS * block:
-            h.update(f.read())
-        else:
-            for i in range(SAMPLE_BLOCKS):
-                f.seek((size - block) * i // (SAMPLE_BLOCKS - 1))
-                h.update(f.read(block))
-    return h.digest()
 
 
 def sampled_ids_check(tokens: np.ndarray, model_vocab: int, name: str, first: int = 0) -> None:

@@ -34,7 +34,7 @@ from trn_accum.checkpoint.checkpointer import Checkpointer, make_writable_dir
 from trn_accum.config import drift
 from trn_accum.config.auto import layout_config
 from trn_accum.config.load import Config, config_from_dict, load_config
-from trn_accum.errors import EXIT_SAVE_FAILED
+from trn_accum.errors import EXIT_SAVE_FAILED, listed
 from trn_accum.interop import generation, hf_io, llama, validate
 from trn_accum.interop.llama import InteropError
 from trn_accum.model import fuji
@@ -67,10 +67,9 @@ def unused_tensors(files: dict[str, str], model_cfg: fuji.ModelConfig) -> list[s
 
 
 def _refuse_unused(hf_dir: str, unused: list[str]) -> None:
-    more = f" and {len(unused) - 3} more" if len(unused) > 3 else ""
     raise InteropError(
         f"checkpoint {hf_dir} holds {len(unused)} tensor(s) the model does not use, which the "
-        f"import would drop ({', '.join(unused[:3])}{more}): check that config.json describes "
+        f"import would drop ({listed(unused, sep=', ')}): check that config.json describes "
         f"the checkpoint (num_hidden_layers, attention_bias, mlp_bias), or pass "
         f"--allow-unused-tensors to import without them"
     )

@@ -24,6 +24,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
+from trn_accum.errors import listed
 from trn_accum.interop import out_dir, validate
 from trn_accum.interop.llama import InteropError
 
@@ -67,10 +68,9 @@ def tensor_files(directory: str) -> dict[str, str]:
             raise InteropError(f"{index} has no weight_map: re-save the checkpoint")
         bad = [f"{name}: {f!r}" for name, f in weight_map.items() if not _inside(f)]
         if bad:
-            more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
             raise InteropError(
                 f"{index} weight_map maps tensors to what is not a file of the checkpoint "
-                f"directory ({'; '.join(bad[:3])}{more}): each value must be the name of a "
+                f"directory ({listed(bad)}): each value must be the name of a "
                 f'safetensors file beside the index (e.g. "model-00001-of-00002.safetensors"); '
                 f"re-save the checkpoint"
             )

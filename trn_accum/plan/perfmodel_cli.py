@@ -27,6 +27,18 @@ from trn_accum.plan.perfmodel import (
 from trn_accum.plan.search import explore, price_config
 
 
+def pricing_env(devices: int) -> dict[str, str]:
+    """The environment of a process that compiles steps to price them: JAX on `devices`
+    emulated CPU devices (XLA_FLAGS, before its backend starts), `PRICING_FLAGS`."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", ""))
+    env["XLA_FLAGS"] = (
+        f"{flags} {PRICING_FLAGS} --xla_force_host_platform_device_count={devices} "
+        "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+    ).strip()
+    return env
+
+
 def run_in_subprocess(
     config_path: str,
     overrides: Sequence[str],
@@ -44,12 +56,7 @@ def run_in_subprocess(
     plat = platforms.get(platform_name)
     per_node = plat.devices_per_node if devices_per_node is None else devices_per_node
     n = per_node * EMULATE_NODES  # the scale table prices the pick on up to EMULATE_NODES
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", ""))
-    env["XLA_FLAGS"] = (
-        f"{flags} {PRICING_FLAGS} --xla_force_host_platform_device_count={n} "
-        "--xla_cpu_enable_concurrency_optimized_scheduler=false"
-    ).strip()
+    env = pricing_env(n)
     cmd = [
         sys.executable,
         "-m",

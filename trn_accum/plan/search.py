@@ -201,17 +201,8 @@ def explore(
             **kw,
         )
     return {
-        "config": {
-            "mesh": cfg.mesh.axes(),
-            "nodes": nodes,
-            "k": cfg.trainer.accum_steps,
-            "reduce": cfg.trainer.reduce,
-            "summary": own,
-            "fits": compiled_fits(own, budget),
-        },
-        "platform": plat.name,
+        **_report(cfg, own, nodes, plat, budget, layout, t0),
         "fit_k": {f"{m} x{n}": ks for (m, n), ks in fit_ks.items()},
-        "budget_bytes": budget,
         "candidates": [
             {
                 **r,
@@ -225,25 +216,12 @@ def explore(
         "table": rec.format_rows(rows),
         "recommendation": best,
         "scale": scale,
-        "layout": dataclasses.asdict(layout),
-        "wall_s": round(time.perf_counter() - t0, 1),
     }
 
 
-def price_config(
-    cfg,
-    *,
-    nodes: int,
-    layout: steptime.Layout,
-    plat: platforms.Platform = platforms.TRN2,
-    depths=DEFAULT_DEPTHS,
-) -> dict[str, Any]:
-    """The step-time model of the config as written (resolved) alone, shaped like `explore`'s
-    report with no candidates: what `trn-accum dry-run` prints by default (`--search` runs
-    `explore`)."""
-    t0 = time.perf_counter()
-    budget = plat.budget_gib(cfg.trainer.memory_budget_gib) * GIB
-    own = predict(cfg, nodes=nodes, layout=layout, depths=depths, plat=plat)
+def _report(cfg, own: dict, nodes: int, plat, budget: float, layout, t0: float) -> dict:
+    """The parts of a step-time report every search has: the config's own prediction and fit,
+    the platform, budget and layout, and the wall time since `t0`; no candidates."""
     return {
         "config": {
             "mesh": cfg.mesh.axes(),
@@ -263,6 +241,23 @@ def price_config(
         "layout": dataclasses.asdict(layout),
         "wall_s": round(time.perf_counter() - t0, 1),
     }
+
+
+def price_config(
+    cfg,
+    *,
+    nodes: int,
+    layout: steptime.Layout,
+    plat: platforms.Platform = platforms.TRN2,
+    depths=DEFAULT_DEPTHS,
+) -> dict[str, Any]:
+    """The step-time model of the config as written (resolved) alone, shaped like `explore`'s
+    report with no candidates: what `trn-accum dry-run` prints by default (`--search` runs
+    `explore`)."""
+    t0 = time.perf_counter()
+    budget = plat.budget_gib(cfg.trainer.memory_budget_gib) * GIB
+    own = predict(cfg, nodes=nodes, layout=layout, depths=depths, plat=plat)
+    return _report(cfg, own, nodes, plat, budget, layout, t0)
 
 
 def checked_at_full_depth(cfg, rows, nodes: int, meshes, budget: float, kw) -> dict | None:

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
 import subprocess
 import sys
 import time
@@ -31,7 +29,8 @@ from trn_accum.analysis import platforms
 from trn_accum.analysis.target_memory import refused_bytes
 from trn_accum.config.auto import auto_keys
 from trn_accum.config.load import Config, config_from_dict, config_to_dict
-from trn_accum.plan.perfmodel import EMULATE_NODES, PRICING_FLAGS
+from trn_accum.plan.perfmodel import EMULATE_NODES
+from trn_accum.plan.perfmodel_cli import pricing_env
 from trn_accum.plan.resolution import Refused, Resolution, SettingsError, confirmed
 from trn_accum.plan.settings import Target, choose, search
 
@@ -90,12 +89,7 @@ def resolve(
 
 
 def _in_subprocess(cfg: Config, target: Target, devices: int, say) -> Resolution:
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", ""))
-    env["XLA_FLAGS"] = (
-        f"{flags} {PRICING_FLAGS} --xla_force_host_platform_device_count={devices} "
-        "--xla_cpu_enable_concurrency_optimized_scheduler=false"
-    ).strip()
+    env = pricing_env(devices)
     cmd = [sys.executable, "-m", "trn_accum.plan.settings_run", json.dumps(target.__dict__)]
     proc = subprocess.Popen(
         cmd,
