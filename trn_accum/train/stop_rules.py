@@ -18,7 +18,12 @@ def data_and_newest(cfg: Config, ckpt) -> tuple[str, str]:
     """(the data a non-finite error names, the newest committed checkpoint or "none yet")."""
     steps = ckpt.committed_steps()
     newest = ckpt.step_path(steps[-1]) if steps else "none yet"
-    return (cfg.data.path if cfg.data.kind == "tokens" else "synthetic"), newest
+    d = cfg.data
+    if d.kind == "mixture":
+        data = "mixture of " + ", ".join(str(c.get("path")) for c in d.mixture)
+    else:
+        data = "synthetic" if d.kind == "synthetic" else f"{d.kind} {d.path}"
+    return data, newest
 
 
 def nonfinite_error(cfg: Config, done: int, count: int, ckpt) -> TrainError:
