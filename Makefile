@@ -1,15 +1,17 @@
 # The two commands: `make train` (the main job on the CPU fallback) and `make test` (the suite).
-# Each sets itself up on a new machine: a venv in .venv, the package and its test extra, and,
-# for the Slurm tests, Debian's slurm-wlm when this machine can install it (root + apt).
+# Each sets itself up on a new machine: a venv in .venv with the package (`make train`: what
+# training needs, nothing more), `make test` adds the test extra and, for the Slurm tests,
+# Debian's slurm-wlm when this machine can install it (root + apt).
 
 PYTHON  ?= python3
 VENV    ?= .venv
 PY      := $(VENV)/bin/python
+STAMP_PKG := $(VENV)/.installed-package-stamp
 STAMP   := $(VENV)/.installed-stamp
-CPU_DEVICES ?= 8
 export JAX_PLATFORMS ?= cpu
 
-.PHONY: install train test test-jax-next lint bench bench-accum dry-run system-deps clean
+.PHONY: install train test test-jax-next lint bench bench-publish bench-accum dry-run system-deps \
+        clean
 
 # The venv: pip brings uv, uv installs the package and its test extra (from uv's cache, in
 # seconds against pip's minute on 2 cores; the same packages). Not byte-compiled at install
@@ -29,9 +31,15 @@ export UV_EXTRA_INDEX_URL ?= $(PIP_EXTRA_INDEX_URL)
 export UV_INDEX_STRATEGY ?= unsafe-best-match
 endif
 
-$(STAMP): pyproject.toml constraints.txt
+# The package alone (jax, optax, orbax, safetensors, pyyaml): what `make train` needs.
+$(STAMP_PKG): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check 'uv>=0.9'
+	$(VENV)/bin/uv pip install -q -p $(PY) -c constraints.txt -e .
+	touch $(STAMP_PKG)
+
+# ... and its test extra (torch and transformers for the Hugging Face test among them, ~2 GB).
+$(STAMP): $(STAMP_PKG)
 	$(VENV)/bin/uv pip install -q -p $(PY) -c constraints.txt -e '.[test]'
 	touch $(STAMP)
 
@@ -122,17 +130,22 @@ test-jax-next: $(STAMP_NEXT)   ## the core and model tests on JAX $(JAX_NEXT) (.
 	$(VENV_NEXT)/bin/python -m pytest -q -n 2 --dist loadgroup $(TESTS_JAX_NEXT) $(DESELECT_JAX_NEXT)
 endif
 
-train: $(STAMP)
-	XLA_FLAGS="--xla_force_host_platform_device_count=$(CPU_DEVICES)" \
-	  $(VENV)/bin/trn-accum train --config configs/fuji-tiny.toml --run-dir runs/fuji-tiny
+# The CPU fallback gives the config's mesh its emulated devices itself (8 for fuji-tiny).
+train: $(STAMP_PKG)
+	$(VENV)/bin/trn-accum train --config configs/fuji-tiny.toml --run-dir runs/fuji-tiny
 
-bench: $(STAMP)   ## benchmarks/report.json + the figures in docs/benchmarks.md (4-7 min on 2 cores)
+# Into benchmarks/out/ (ignored): the checkout stays clean. `make bench-publish` also rewrites
+# the committed benchmarks/report.json and the figures of docs/benchmarks.md.
+bench: $(STAMP_PKG)   ## benchmarks/out/report.json + benchmarks.md (about 10 min on 2 busy cores)
 	XLA_FLAGS="--xla_force_host_platform_device_count=8" $(PY) benchmarks/report.py
 
-bench-accum: $(STAMP)   ## the core accumulation benchmark (figures in docs/design.md)
+bench-publish: $(STAMP_PKG)
+	XLA_FLAGS="--xla_force_host_platform_device_count=8" $(PY) benchmarks/report.py --publish
+
+bench-accum: $(STAMP_PKG)   ## the core accumulation benchmark (figures in docs/design.md)
 	XLA_FLAGS="--xla_force_host_platform_device_count=8" $(PY) benchmarks/accumulation.py
 
-dry-run: $(STAMP)   ## Fuji 3B on one emulated trn2.48xlarge (64 CPU devices)
+dry-run: $(STAMP_PKG)   ## Fuji 3B on one emulated trn2.48xlarge (64 CPU devices)
 	$(VENV)/bin/trn-accum dry-run --config configs/fuji-3b-trn2.toml --devices 64
 
 clean:

@@ -1,8 +1,9 @@
-"""One benchmark report of the real train step: JSON plus a markdown table in docs/benchmarks.md.
+"""One benchmark report of the real train step: JSON plus the markdown of docs/benchmarks.md.
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 .venv/bin/python benchmarks/report.py
+    make bench        # = XLA_FLAGS=--xla_force_host_platform_device_count=8 \
+                      #   .venv/bin/python benchmarks/report.py
 
-(`make bench`.) On 8 emulated CPU devices, for the tiny Fuji config (configs/fuji-tiny.toml)
+On 8 emulated CPU devices, for the tiny Fuji config (configs/fuji-tiny.toml)
 and a mid-sized one (the same file with 12 layers x 256 hidden, see MID below), using the
 trainer's own pieces (`trn_accum.train.make_train_step`: accumulation, clipping, AdamW, the
 non-finite guard, donated state, explicit shardings), at a fixed global batch:
@@ -16,9 +17,11 @@ non-finite guard, donated state, explicit shardings), at a fixed global batch:
 - the peers table (benchmarks/peers.py): full batch, ours (both reduce modes), a contiguous
   in-graph scan and optax.MultiSteps on one model, batch and mesh, timed round-robin.
 
-Writes benchmarks/report.json and replaces the text between `<!-- bench:start -->` and
-`<!-- bench:end -->` in docs/benchmarks.md (nothing else; if the markers are missing the file is
-left alone and a warning printed). Prints the markdown.
+Writes `--out` (default benchmarks/out/, ignored by git): report.json and benchmarks.md (the
+section `benchmarks/report_md.py` renders), and prints the markdown; the checkout stays as it
+was. `--publish` also replaces the committed benchmarks/report.json and the text between
+`<!-- bench:start -->` and `<!-- bench:end -->` in docs/benchmarks.md (what a maintainer runs
+to update the published figures; tests/test_docs.py checks that the two agree).
 
 XLA:CPU figures are a proxy: temporaries are not a trn2 fit check (docs/design.md), the CPU
 "collectives" are memory copies between threads, and on a shared 2-core machine times move by
@@ -43,7 +46,6 @@ import argparse
 import datetime
 import json
 import os
-import re
 import statistics
 import sys
 import time
@@ -54,6 +56,7 @@ if _NO_DEADLOCK not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_NO_DEADLOCK}=false".strip()
 
 import jax  # noqa: E402
+import report_md  # noqa: E402  (benchmarks/report_md.py, beside this script)
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -66,7 +69,6 @@ from trn_accum.train import loop, step  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = "configs/fuji-tiny.toml"
-START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 REDUCES = ("per_minibatch", "once")
 
 
@@ -237,89 +239,6 @@ def bench_config(name, overrides, *, ks, reduces, runs, warmup, log):
     }
 
 
-# ---------------------------------------------------------------------------------------------
-# Output
-
-
-def _counts(c: dict) -> str:
-    return ", ".join(f"{k} {v}" for k, v in c.items()) if c else "none"
-
-
-def _bytes(n: float) -> str:
-    if n >= 2**20:
-        return f"{n / 2**20:.2f} MiB"
-    if n >= 2**10:
-        return f"{n / 2**10:.1f} KiB"
-    return f"{int(n)} B"
-
-
-def markdown(report: dict) -> str:
-    meta = report["meta"]
-    out = [
-        f"Measured with `{meta['command']}` (`XLA_FLAGS=--xla_force_host_platform_device_count=8 "
-        f".venv/bin/python benchmarks/report.py`) on {meta['devices']} emulated CPU devices "
-        f"(jax {meta['jax']}, {meta['date']}, {meta['cpus']} shared cores, load average "
-        f"{meta['load_before']:.1f} before / {meta['load_after']:.1f} after; total "
-        f"{meta['total_s']:.0f} s). The trainer's real step (accumulation, clipping, AdamW, "
-        "donated state) at a fixed global batch. XLA:CPU is a proxy for trn2: temporaries are "
-        "not a fit check, collectives are memory copies, times are noisy on a shared machine.",
-        "",
-        "Data all-reduces: all-reduces whose replica groups span the `data` axis, inside / "
-        "outside the accumulation loop (the layer scan is a loop too; counted by computation "
-        "membership). Bytes per step: their result bytes × the trip counts of the loops around "
-        "them. XLA:CPU writes an fsdp reduce-scatter as an all-reduce plus a dynamic-slice, and "
-        "per minibatch reduces the tied embedding's two gradient contributions separately, so "
-        "the fall from `per_minibatch` to `once` can exceed k. Runs use "
-        "`--xla_cpu_enable_concurrency_optimized_scheduler=false` (an XLA:CPU collective "
-        "deadlock otherwise, see the script).",
-        "",
-    ]
-    for c in report["configs"]:
-        sp = c["split_collectives"]
-        mesh = ", ".join(f"{a}={n}" for a, n in c["mesh"].items())
-        out += [
-            f"**{c['name']}**: {c['model']}; {c['params']:,} parameters; mesh ({mesh}); batch "
-            f"{c['global_batch']} × {c['seq_len']} = {c['tokens_per_step']:,} tokens per step"
-            + (f" (overrides: `{' '.join(c['overrides'])}`)" if c["overrides"] else "")
-            + ".",
-            f"Split alone at k={c['split_k']}: strided (ours) {_counts(sp['strided'])}; "
-            f"contiguous {_counts(sp['contiguous'])}.",
-            "",
-            f"| k | reduce | data all-reduces in / outside the accumulation loop | data-axis bytes "
-            f"per step | "
-            f"temp per device | compile | step (median of {c['runs']}) | vs k=1 | tokens/s |",
-            "|---|---|---|---|---|---|---|---|---|",
-        ]
-        for r in c["rows"]:
-            d = r["data_all_reduces"]
-            ratio = r.get("step_ratio_to_k1")
-            temp_ratio = r.get("temp_ratio_to_k1")
-            out.append(
-                f"| {r['k']} | {r['reduce']} | {d['inside_loop']} / {d['outside_loop']} | "
-                f"{_bytes(d['bytes_per_step'])} | {_bytes(r['temp_bytes'])}"
-                + (f" ({temp_ratio:.2f}×)" if temp_ratio is not None else "")
-                + f" | {r['compile_s']:.1f} s | {r['step_s_median'] * 1e3:.0f} ms | "
-                + (f"{ratio:.2f}" if ratio is not None else "-")
-                + f" | {r['tokens_per_s']:,.0f} |"
-            )
-        out.append("")
-    return "\n".join(out).rstrip() + "\n"
-
-
-def update_readme(path: Path, text: str) -> bool:
-    """Replace what lies between the markers; False (README untouched) if they are missing."""
-    if not path.exists():
-        return False
-    readme = path.read_text(encoding="utf-8")
-    pattern = re.compile(re.escape(START) + r".*?" + re.escape(END), re.S)
-    if len(pattern.findall(readme)) != 1:
-        return False
-    new = pattern.sub(lambda _: f"{START}\n{text}{END}", readme)
-    if new != readme:
-        path.write_text(new, encoding="utf-8")
-    return True
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=5, help="timed runs per step (median)")
@@ -332,8 +251,14 @@ def main(argv=None) -> int:
     ap.add_argument("--mid-batch", type=int, default=64)
     ap.add_argument("--only", choices=("tiny", "mid"), help="one config only")
     ap.add_argument("--no-peers", action="store_true", help="skip the peers table (peers.py)")
-    ap.add_argument("--json", default=str(ROOT / "benchmarks" / "report.json"))
-    ap.add_argument("--readme", default=str(ROOT / "docs" / "benchmarks.md"), help="'' to skip")
+    ap.add_argument(
+        "--out", default=str(ROOT / "benchmarks" / "out"), help="report.json + benchmarks.md"
+    )
+    ap.add_argument(
+        "--publish",
+        action="store_true",
+        help="also write the committed benchmarks/report.json and docs/benchmarks.md's section",
+    )
     args = ap.parse_args(argv)
     if jax.device_count() != 8:
         print(
@@ -382,18 +307,22 @@ def main(argv=None) -> int:
         import peers  # benchmarks/peers.py, beside this script
 
         report["peers"] = peers.run(ROOT, log=log)
-    Path(args.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    text = markdown(report)
-    if "peers" in report:
-        import peers
-
-        text += "\n" + peers.markdown(report["peers"])
+    text = report_md.section(report)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    (out / "benchmarks.md").write_text(text, encoding="utf-8")
     print(text)
-    if args.readme:
-        if update_readme(Path(args.readme), text):
-            log(f"wrote {args.json} and the bench section of {args.readme}")
-        else:
-            log(f"wrote {args.json}; {args.readme} has no {START} ... {END} markers: untouched")
+    log(f"wrote {out / 'report.json'} and {out / 'benchmarks.md'}")
+    if args.publish:
+        page = ROOT / "docs" / "benchmarks.md"
+        if not report_md.replace_section(page, text):
+            log(f"{page} has no {report_md.START} ... {report_md.END} markers: not published")
+            return 1
+        (ROOT / "benchmarks" / "report.json").write_text(
+            json.dumps(report, indent=2) + "\n", encoding="utf-8"
+        )
+        log(f"published: benchmarks/report.json and the bench section of {page}")
     return 0
 
 

@@ -179,19 +179,3 @@ def test_the_tpu_constants_are_the_fit_of_the_rows_marked_fitted():
     for k in ("elementwise", "loop_elementwise", "offchip_elementwise"):
         assert getattr(got, k) == pytest.approx(getattr(plat.efficiency, k), rel=1e-3), k
     assert got.onchip_bytes == plat.efficiency.onchip_bytes
-
-
-def test_the_docs_table_is_the_json_table():
-    """docs/performance.md's calibration table lists every row of calibration.json with its
-    role, measurement, floor, prediction and error as the JSON has them (TPU rows first)."""
-    doc = (ROOT / "docs" / "performance.md").read_text()
-    head = "| row | platform | role | measured s | floor s | predicted s | error |"
-    lines = doc[doc.index(head) :].split("\n\n", 1)[0].splitlines()[2:]
-    order = [r for r in ROWS if r["platform"] == "tpu-v5e"]
-    order += [r for r in ROWS if r["platform"] != "tpu-v5e"]
-    want = [
-        f"| `{r['name']}` | {r['platform']} | {r['role']} | {r['measured_s']:g} | "
-        f"{r['floor_s']:g} | {r['predicted_s']:g} | {r['error_pct']:+.1f} % |"
-        for r in order
-    ]
-    assert lines == want

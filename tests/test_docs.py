@@ -1,19 +1,29 @@
 """The docs hold: every ```python block of README.md and docs/api.md runs as written (in order,
 one namespace per file, on the suite's 8 emulated CPU devices; a block preceded by
-`<!-- not run -->` is skipped and counted), README.md stays within 12,000 bytes, and every
-relative link in README.md and docs/*.md names a file that exists."""
+`<!-- not run -->` is skipped and counted), README.md stays within 12,000 bytes, docs/ within
+100,000 (performance.md 15,000), no page reads as a diary (issue numbers, dates: only the
+calibration page's measured-on dates), every relative link in README.md and docs/*.md names a
+file that exists, and the tables drawn from benchmark JSON match it (docs/calibration.md's
+table, docs/performance.md's error counts, docs/benchmarks.md's section)."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
+import statistics
+import sys
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 RUN_FILES = ("README.md", "docs/api.md")
-README_LIMIT = 12_000  # bytes: issue 36, a README a new user reads in five minutes
+README_LIMIT = 12_000  # bytes: a README a new user reads in five minutes
+DOCS_LIMIT = 100_000  # bytes of docs/*.md: a manual, not a lab notebook
+PERFORMANCE_LIMIT = 15_000  # docs/performance.md: what runs how fast, on what, measured how
+DIARY = re.compile(r"issue [0-9]+|[0-9]{4}-[0-9]{2}-[0-9]{2}|this stop")
+CALIBRATION = json.loads((REPO / "benchmarks" / "calibration.json").read_text())["rows"]
 NOT_RUN = "<!-- not run -->"
 FENCE = re.compile(r"^\s*```\s*([\w+-]*)\s*$")
 INLINE_LINK = re.compile(r"\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
@@ -131,3 +141,69 @@ def test_relative_links_exist():
         if not (page.parent / target).exists()
     ]
     assert not missing, "links to files that do not exist:\n" + "\n".join(missing)
+
+
+def test_docs_within_limits():
+    sizes = {p.name: len(p.read_bytes()) for p in (REPO / "docs").glob("*.md")}
+    assert sum(sizes.values()) <= DOCS_LIMIT, f"docs/*.md: {sum(sizes.values()):,} bytes {sizes}"
+    assert sizes["performance.md"] <= PERFORMANCE_LIMIT, sizes["performance.md"]
+
+
+def test_no_page_reads_as_a_diary():
+    """No issue numbers, dates or progress-log phrases in README.md or docs/ (history goes to
+    CHANGELOG.md); docs/calibration.md may date its measurements."""
+    found = []
+    for page in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        for n, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1):
+            for m in DIARY.finditer(line):
+                dated = page.name == "calibration.md" and m.group(0)[0].isdigit()
+                if not dated:
+                    found.append(f"{page.relative_to(REPO)}:{n}: {m.group(0)}")
+    assert not found, "\n".join(found)
+
+
+def test_calibration_table_is_the_json_table():
+    """docs/calibration.md's table lists every row of benchmarks/calibration.json with its
+    role, measurement, prediction and error as the JSON has them (TPU rows first)."""
+    doc = (REPO / "docs" / "calibration.md").read_text()
+    head = "| row | platform | role | measured s | predicted s | error |"
+    lines = doc[doc.index(head) :].split("\n\n", 1)[0].strip().splitlines()[2:]
+    order = [r for r in CALIBRATION if r["platform"] == "tpu-v5e"]
+    order += [r for r in CALIBRATION if r["platform"] != "tpu-v5e"]
+    want = [
+        f"| `{r['name']}` | {r['platform']} | {r['role']} | {r['measured_s']:g} | "
+        f"{r['predicted_s']:g} | {r['error_pct']:+.1f} % |"
+        for r in order
+    ]
+    assert lines == want
+
+
+def test_performance_error_counts_are_the_jsons():
+    """Each row of docs/performance.md's "How far to trust it" table (count, median |error|,
+    rows within 15 %) is what benchmarks/calibration.json gives for its rows."""
+    doc = (REPO / "docs" / "performance.md").read_text()
+    groups = {
+        ("TPU v5e", "predicted"): lambda r: r["platform"] == "tpu-v5e" and r["role"] == "predicted",
+        ("TPU v5e", "fitted"): lambda r: r["platform"] == "tpu-v5e" and r["role"] == "fitted",
+        ("Llama-2 7B", "predicted"): lambda r: r["name"] == "trn2-axlearn-llama2-7b",
+        ("Llama-2 70B", "fitted"): lambda r: r["name"] == "trn2-axlearn-llama2-70b",
+        ("Llama-3.1-8B", "predicted"): lambda r: r["name"] == "trn1-nxdt-llama31-8b",
+    }
+    for (what, role), pick in groups.items():
+        errors = [abs(r["error_pct"]) for r in CALIBRATION if pick(r) and r["role"] == role]
+        row = next(ln for ln in doc.splitlines() if what in ln and f"| {role}" in ln)
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        want = [str(len(errors)), f"{statistics.median(errors):.1f} %"]
+        want.append(str(sum(e <= 15 for e in errors)))
+        assert cells[2:] == want, (row, want)
+
+
+def test_benchmarks_page_is_the_committed_report():
+    """docs/benchmarks.md's bench section is what benchmarks/report_md.py renders from the
+    committed benchmarks/report.json (`make bench-publish` writes both)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import report_md
+
+    report = json.loads((REPO / "benchmarks" / "report.json").read_text(encoding="utf-8"))
+    page = (REPO / "docs" / "benchmarks.md").read_text(encoding="utf-8")
+    assert report_md.page_section(page) == report_md.section(report)

@@ -38,7 +38,7 @@ import signal
 import sys
 
 from trn_accum.cli import data, eks, plan, run
-from trn_accum.cli.emulated_cpu import CPU_XLA_FLAGS, cpu_fallback_flags
+from trn_accum.cli.emulated_cpu import CPU_XLA_FLAGS, cpu_fallback_flags, emulate_for_run_dir
 from trn_accum.cli.parsing import PROG, Parser, UsageError
 from trn_accum.cli.run import check_train_args
 from trn_accum.errors import EXIT_INTERRUPTED, UserError, one_line
@@ -96,6 +96,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         args.argv = argv
+        if args.command == "eval":  # the run's mesh on the CPU fallback (interop cannot import cli)
+            code = emulate_for_run_dir(args.run_dir, argv)
+            if code is not None:
+                return code
         code = int(args.func(args))
         sys.stdout.flush()  # here, not at exit: a closed stdout is caught below
         return code

@@ -7,8 +7,9 @@ import argparse
 import os
 import re
 
+from trn_accum.cli import emulated_cpu
 from trn_accum.cli.parsing import PROG, Parser, UsageError, config_args
-from trn_accum.errors import EXIT_OK
+from trn_accum.errors import EXIT_OK, UserError
 
 
 def _profile_range(text: str) -> tuple[int, int]:
@@ -34,14 +35,53 @@ def _cmd_train(args) -> int:
     run_dir = args.run_dir or os.path.join(
         "runs", os.path.splitext(os.path.basename(args.config))[0]
     )
-    return loop.run(
-        args.config,
-        overrides=args.overrides,
-        run_dir=run_dir,
-        profile=profile,
-        allow_config_change=args.allow_config_change,
-        settings=settings_run.for_run,
-    )
+    code = _emulate_for(args.config, args.overrides, args.argv)
+    if code is not None:  # the command ran in a fresh process
+        return code
+    made = _missing_dirs(run_dir)
+    try:
+        return loop.run(
+            args.config,
+            overrides=args.overrides,
+            run_dir=run_dir,
+            profile=profile,
+            allow_config_change=args.allow_config_change,
+            settings=settings_run.for_run,
+        )
+    except BaseException:  # a refused start leaves no empty run dir behind
+        _remove_empty(made)
+        raise
+
+
+def _emulate_for(config: str, overrides, argv: list[str]) -> int | None:
+    """The CPU fallback's devices for the config's mesh (`emulated_cpu.emulate_for_config`);
+    a config that does not load changes nothing here (the trainer names what is wrong)."""
+    from trn_accum.config.load import load_config
+
+    try:
+        cfg = load_config(config, overrides)
+    except UserError:
+        return None
+    return emulated_cpu.emulate_for_config(cfg, argv)
+
+
+def _missing_dirs(path: str) -> list[str]:
+    """`path` and those of its parents that do not exist yet, deepest first."""
+    made = []
+    path = os.path.abspath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        made.append(path)
+        path = os.path.dirname(path)
+    return made
+
+
+def _remove_empty(dirs: list[str]) -> None:
+    """Removes the directories of `dirs` (deepest first) while they are empty; never a file."""
+    for d in dirs:
+        try:
+            os.rmdir(d)
+        except OSError:  # not empty (or not there): keep it and its parents
+            return
 
 
 def add_train_args(t: argparse.ArgumentParser) -> None:
@@ -92,6 +132,10 @@ def _cmd_check_config(args) -> int:
     overrides = sum(a == "--set" or a.startswith("--set=") for a in train_args)
     where = "; mesh and batch split not checked (pass --devices N)"
     if args.devices or not (args.only_config_args or os.environ.get("SLURM_JOB_ID")):
+        if not args.devices:  # this process's devices: the CPU fallback's for the mesh
+            code = emulated_cpu.emulate_for_config(cfg, args.argv)
+            if code is not None:
+                return code
         from trn_accum.config import mesh_rules
 
         where = f" on {mesh_rules.check_start(cfg, args.devices)} devices"  # as `train` at start

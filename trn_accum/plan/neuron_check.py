@@ -44,6 +44,7 @@ import dataclasses
 import functools
 import json
 import os
+import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -140,15 +141,41 @@ def _row(piece: str, fn: Callable[[], tuple[str, str]]) -> Row:
     return Row(piece, status, detail, round(time.perf_counter() - t, 2))
 
 
-def run(config_path: str, *, overrides: Sequence[str] = (), run_dir: str | None = None) -> dict:
+def print_progress(line: str) -> None:
+    """`run`'s default progress: each line on stderr as it comes (stdout keeps the report)."""
+    print(line, file=sys.stderr, flush=True)
+
+
+def progress_line(row: Row, index: int, total: int) -> str:
+    """One finished row as the progress shows it: `[ 3/16] pass  prng  ...  [0.4 s]`."""
+    width = max(len(name) for name in ("root", *(p for p, _ in ROWS)))
+    return (
+        f"[{index:>{len(str(total))}}/{total}] {row.status:<4}  {row.piece:<{width}}  "
+        f"{row.detail}  [{row.seconds:.1f} s]"
+    )
+
+
+def run(
+    config_path: str,
+    *,
+    overrides: Sequence[str] = (),
+    run_dir: str | None = None,
+    progress: Callable[[str], None] | None = print_progress,
+) -> dict:
     """Every row, in order; a row that raises fails with its one-line cause. After a failed
-    ENVIRONMENT row the MODEL_ROWS are skipped (the cheap rows still run)."""
+    ENVIRONMENT row the MODEL_ROWS are skipped (the cheap rows still run). `progress` (None:
+    quiet) gets a first line naming the rows, then each row as it finishes (`progress_line`):
+    the model rows take minutes on CPU."""
     t0 = time.perf_counter()
+    say = progress or (lambda line: None)
     cfg = load_config(config_path, overrides)
     run_dir = run_dir or os.environ.get("TRN_ACCUM_RUN_DIR") or os.path.join("runs", "neuron-check")
+    total = len(ROWS) + 1
+    say(f"neuron-check: {total} rows, each printed as it finishes (the model rows take longest)")
     # before the backend starts: the runtime itself may bind the root port then
     on_neuron = platform.neuron_available()
     rows = [_row("root", lambda: node_rows.row_root(os.environ, on_neuron=on_neuron))]
+    say(progress_line(rows[0], 1, total))
     check = Check(cfg, run_dir)
     for piece, fn in ROWS:
         broken = [r.piece for r in rows if r.piece in ENVIRONMENT and r.status == FAIL]
@@ -157,6 +184,7 @@ def run(config_path: str, *, overrides: Sequence[str] = (), run_dir: str | None 
             rows.append(Row(piece, node_rows.SKIP, why))
         else:
             rows.append(_row(piece, functools.partial(fn, check)))
+        say(progress_line(rows[-1], len(rows), total))
     return {
         "config": config_path,
         "backend": jax.default_backend(),

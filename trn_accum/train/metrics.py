@@ -368,7 +368,8 @@ def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None) -
         import matplotlib.pyplot as plt
     except ImportError as e:
         raise PlotError(
-            f"plot needs matplotlib ({e}); install it with: pip install 'trn_accum[plot]'"
+            f"plot needs matplotlib ({e}); install it from the trn_accum checkout with: "
+            "pip install -e '.[plot]' (the package is not on PyPI)"
         ) from None
     out = os.fspath(out) if out else os.path.join(os.fspath(run_dir), "metrics.png")
     fig, axes = plt.subplots(3, 1, figsize=(8, 9), sharex=True)
