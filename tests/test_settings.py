@@ -159,7 +159,7 @@ def test_neuron_flash_is_a_candidate_on_neuron_after_its_row_passed(tmp_path, mo
     assert settings.attention_kinds(TRN2_NODE) == ("blockwise", "flash")
     record.write_text(json.dumps({"rows": {"neuron-flash": "fail"}}))
     assert settings.attention_kinds(TRN2_NODE) == ("blockwise", "flash")
-    record.write_text(json.dumps({"rows": {"neuron-flash": "pass"}}))
+    settings.record_neuron_check({"neuron-flash": "pass", "lnc": "pass"}, str(record))
     assert settings.attention_kinds(TRN2_NODE) == ("blockwise", "flash", "neuron_flash")
     assert settings.attention_kinds(Target("tpu-v5e", 1, 1)) == ("blockwise", "flash")
     monkeypatch.setattr(platform, "neuron_available", lambda: False)
@@ -275,3 +275,15 @@ def test_loss_chunk_report():
     }
     cfg = load_config(TINY, ["model.loss_chunk=0"])
     assert loss_chunk_report(cfg, 1, 4)["tokens_per_chunk"] == 256
+
+
+def test_check_config_prints_what_train_would_run(capsys):
+    """`check-config --settings` runs the same search and prints the dry-run's line."""
+    from trn_accum import cli as trn_cli
+
+    argv = ["check-config", "--settings", "trn2", "--devices", "8", "--"]
+    argv += ["--config", TINY, "--set", "model.attention=auto"]
+    assert trn_cli.main(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1].startswith("train will run: accum_steps 4, reduce per_minibatch, remat ")
+    assert "(chosen for model.attention by the trn2 step-time model" in out[-1], out[-1]

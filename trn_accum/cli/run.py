@@ -140,7 +140,24 @@ def _cmd_check_config(args) -> int:
 
         where = f" on {mesh_rules.check_start(cfg, args.devices)} devices"  # as `train` at start
     print(f"{PROG} check-config: {config} with {overrides} --set override(s): ok{where}")
+    if args.settings:
+        print(_settings_line(cfg, args.settings, args.devices))
     return EXIT_OK
+
+
+def _settings_line(cfg, platform_name: str, devices: int | None) -> str:
+    """The "train will run" line of `cfg` on `platform_name` nodes of `devices` (default the
+    platform's node) devices: the settings search train and dry-run run (any "auto" priced)."""
+    import sys
+
+    from trn_accum.analysis.platforms import PLATFORMS
+    from trn_accum.plan import settings_run
+    from trn_accum.plan.settings import Target
+
+    per_node = devices or PLATFORMS[platform_name].devices_per_node
+    target = Target(platform_name, per_node, cfg.mesh.nodes)
+    say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    return settings_run.resolve(cfg, target, say=say).line()
 
 
 def add_parsers(sub) -> None:
@@ -160,6 +177,13 @@ def add_parsers(sub) -> None:
         help="read only --config and --set from ARGS (the rest belong to another trainer)",
     )
     cc.add_argument("--devices", type=int, help="the job's device count (default: JAX's here)")
+    cc.add_argument(
+        "--settings",
+        metavar="PLATFORM",
+        choices=("trn2", "trn1", "tpu-v5e"),
+        help="also print the settings train will run on PLATFORM's nodes (of --devices devices): "
+        'the settings search for any "auto" (minutes for a large model)',
+    )
     cc.add_argument(
         "train_args", nargs=argparse.REMAINDER, metavar="-- ARGS", help="the train arguments"
     )

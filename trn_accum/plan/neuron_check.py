@@ -185,6 +185,10 @@ def run(
         else:
             rows.append(_row(piece, functools.partial(fn, check)))
         say(progress_line(rows[-1], len(rows), total))
+    if on_neuron:  # what this node proved, for the settings search (neuron_flash once it passed)
+        from trn_accum.plan.settings import record_neuron_check
+
+        record_neuron_check({r.piece: r.status for r in rows})
     return {
         "config": config_path,
         "backend": jax.default_backend(),

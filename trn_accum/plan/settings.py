@@ -87,6 +87,16 @@ NEURON_CHECK_RECORD = os.path.join(
 )
 
 
+def record_neuron_check(rows: dict[str, str], path: str = NEURON_CHECK_RECORD) -> None:
+    """Write `trn-accum neuron-check`'s row statuses ({name: status}) for this node, replacing
+    the last record whole (a temp file renamed over it)."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"rows": dict(rows)}, f)
+    os.replace(tmp, path)
+
+
 def neuron_flash_passed(path: str = NEURON_CHECK_RECORD) -> bool:
     """Whether `trn-accum neuron-check` passed its neuron-flash row on this node (its record
     at `path`: {"rows": {name: status}})."""
