@@ -41,11 +41,12 @@ def cpu_fallback_flags(environ=os.environ) -> None:
     environ["XLA_FLAGS"] = flags
 
 
-def emulate_cpu_devices(devices: int) -> bool:
+def emulate_cpu_devices(devices: int, extra_flags: str = "") -> bool:
     """Whether this process runs `devices` emulated CPU devices, after asking for them: sets
-    the device count in XLA_FLAGS and the CPU platform, then asks JAX's backend (which starts
-    with them unless it already runs). A backend that already runs with another platform or
-    device count answers False, and the environment is put back as it was."""
+    the device count (and `extra_flags`) in XLA_FLAGS and the CPU platform, then asks JAX's
+    backend (which starts with them unless it already runs). A backend that already runs with
+    another platform or device count answers False, and the environment is put back as it
+    was."""
     import jax
 
     saved = {k: os.environ.get(k) for k in ("XLA_FLAGS", "JAX_PLATFORMS")}
@@ -53,7 +54,8 @@ def emulate_cpu_devices(devices: int) -> bool:
     flags = re.sub(
         r"--xla_force_host_platform_device_count=\S+", "", os.environ.get("XLA_FLAGS", "")
     )
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
+    count = f"--xla_force_host_platform_device_count={devices}"
+    os.environ["XLA_FLAGS"] = f"{flags} {extra_flags} {count}".strip()
     os.environ["JAX_PLATFORMS"] = "cpu"
     cpu_fallback_flags()
     jax.config.update("jax_platforms", "cpu")

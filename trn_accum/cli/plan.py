@@ -50,7 +50,10 @@ def _cmd_dry_run(args) -> int:
             f"--nodes {args.nodes}: must be 1..{MAX_DRY_RUN_NODES} (the node count whose "
             "per-device batch one emulated node carries)"
         )
-    if not emulate_cpu_devices(args.devices):
+    # the dry-run reads partitioned modules, not XLA:CPU's code: its codegen optimizations go
+    from trn_accum.analysis.hlo.partitioned import PRICING_FLAGS
+
+    if not emulate_cpu_devices(args.devices, PRICING_FLAGS):
         # A backend with another device count runs in this process: start a fresh one (it sets
         # the device count in XLA_FLAGS before its backend starts).
         return subprocess.call([sys.executable, "-m", "trn_accum.cli", *args.argv])

@@ -53,11 +53,6 @@ from trn_accum.train.flops import flops_per_step
 
 DEFAULT_DEPTHS = (2, 3)
 
-# XLA:CPU flags of a process that compiles steps only to read their partitioned modules (the
-# settings search, the step-time model): its own code generation is not run, so its expensive
-# optimizations buy nothing, and they leave the module after the SPMD partitioner, which is
-# what is priced and measured, as it is (tests/conftest.py's FAST_COMPILE_FLAGS, measured there)
-PRICING_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
 EMULATE_NODES = 2
 

@@ -16,10 +16,10 @@ from typing import Any
 
 from trn_accum.analysis import platforms, steptime
 from trn_accum.analysis import recommend as rec
+from trn_accum.analysis.hlo.partitioned import PRICING_FLAGS
 from trn_accum.config.load import load_config
 from trn_accum.plan.perfmodel import (
     EMULATE_NODES,
-    PRICING_FLAGS,
     StepTimeError,
     fitting_k,
     with_choices,

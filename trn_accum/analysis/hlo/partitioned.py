@@ -27,6 +27,13 @@ import tempfile
 import jax
 from jax.experimental.compilation_cache import compilation_cache
 
+# XLA:CPU flags of a process that compiles steps only to read their partitioned modules (the
+# dry-run, the settings search, the step-time model): its own code generation is not what is
+# read, so its expensive optimizations buy nothing, and they leave the module after the SPMD
+# partitioner, which is what is priced and measured, as it is (tests/conftest.py's
+# FAST_COMPILE_FLAGS, measured there)
+PRICING_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
 __all__ = ["PASS", "compile_partitioned"]
 
 #: The XLA pass whose output is the partitioned module (the file `*.after_<PASS>.*.txt`).
