@@ -47,6 +47,12 @@ def _cmd_export(args) -> int:
     files = convert.export_hf(args.run_dir, args.out_dir, args.dtype, tokens)
     if files:
         print(f"wrote {', '.join(files)} ({args.dtype}) to {args.out_dir}")
+    if files and "generation_config.json" not in files:  # process 0 wrote the export
+        print(
+            "no generation_config.json: the run holds no bos/eos/pad token ids (it was not "
+            "imported with import-hf), so transformers' generate would not know where to stop; "
+            "pass --eos-token-id ID (and --bos-token-id ID) to write one"
+        )
     return EXIT_OK
 
 
