@@ -58,7 +58,6 @@ def _cmd_dry_run(args) -> int:
         # the device count in XLA_FLAGS before its backend starts).
         return subprocess.call([sys.executable, "-m", "trn_accum.cli", *args.argv])
     say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-    say(f"dry-run: {args.config} on {args.devices} emulated {args.platform} devices")
     from trn_accum.plan import dryrun
 
     report = dryrun.run(

@@ -124,7 +124,14 @@ def run(
     t_start = time.perf_counter()
     say = say or (lambda _: None)
     cfg = load_config(config_path, overrides)
+    nodes = cfg.mesh.nodes if nodes is None else int(nodes)
+    if nodes < 1 or cfg.data.global_batch % nodes:
+        raise DryRunError(
+            f"--nodes {nodes}: data.global_batch = {cfg.data.global_batch} must split evenly "
+            f"over the nodes (rows per node = global_batch / nodes); pick a divisor"
+        )
     plat = platforms.get(platform_name)
+    say(f"dry-run: {config_path} on {devices or len(jax.devices())} emulated {plat.name} devices")
     subs = substitutions(cfg)
     with kernels.substitute(kernels.reference_kernels()) if subs else contextlib.nullcontext():
         report = _run(cfg, config_path, overrides, devices, nodes, t_start, plat, say)
@@ -218,12 +225,6 @@ def _run(cfg, config_path, overrides, devices, nodes, t_start, plat, say) -> dic
         raise DryRunError(
             f"--devices {n_dev}: this process has {len(devs)} devices; run through "
             f"`trn-accum dry-run`, which sets the emulated device count"
-        )
-    nodes = cfg.mesh.nodes if nodes is None else int(nodes)
-    if nodes < 1 or cfg.data.global_batch % nodes:
-        raise DryRunError(
-            f"--nodes {nodes}: data.global_batch = {cfg.data.global_batch} must split evenly "
-            f"over the nodes (rows per node = global_batch / nodes); pick a divisor"
         )
     node_batch = cfg.data.global_batch // nodes
     mesh = step.make_mesh(cfg, devs)
