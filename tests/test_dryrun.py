@@ -276,6 +276,13 @@ def test_step_time_model_prices_the_settings_the_dry_run_resolved_from_auto(monk
         return {"captured": True}
 
     monkeypatch.setattr(perfmodel_cli, "run_in_subprocess", capture)
+    # the search's pricing faked (it is tests/test_settings.py's): this checks the plumbing
+    from test_settings import fake_predict
+
+    from trn_accum.plan import settings
+
+    k_cost = lambda c: 1.0 + 0.1 * c.trainer.accum_steps  # noqa: E731
+    monkeypatch.setattr(settings, "predict", fake_predict(k_cost, lambda c: 2**20))
     auto = ["model.remat=auto", "model.loss_chunk=auto", "trainer.accum_steps=auto"]
     rep = dryrun.run(TINY, overrides=auto, step_time=True)
     assert rep["step_time"] == {"captured": True}

@@ -204,7 +204,7 @@ def test_trained_run_exports_to_transformers_and_back(trained, reference, tmp_pa
     assert r.returncode == 0, r.stderr[-3000:]
     # a trained run has no token ids: no generation_config.json, and export-hf says so
     assert not (tmp_path / "f32" / "generation_config.json").exists()
-    assert "no generation_config.json: the run holds no bos/eos/pad token ids" in r.stdout
+    assert "no generation_config.json: the run holds no bos/eos/pad token ids" in r.stderr
     ours = our_logits(run, tokens)
     theirs = hf_logits(tmp_path / "f32", tokens)
     delta = np.abs(ours - theirs)[tokens >= 0].max()

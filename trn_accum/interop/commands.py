@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 from trn_accum.errors import EXIT_OK
 
@@ -48,11 +49,12 @@ def _cmd_export(args) -> int:
     if files:
         print(f"wrote {', '.join(files)} ({args.dtype}) to {args.out_dir}")
     if files and "generation_config.json" not in files:  # process 0 wrote the export
-        print(
+        note = (
             "no generation_config.json: the run holds no bos/eos/pad token ids (it was not "
             "imported with import-hf), so transformers' generate would not know where to stop; "
             "pass --eos-token-id ID (and --bos-token-id ID) to write one"
         )
+        print(note, file=sys.stderr)
     return EXIT_OK
 
 
