@@ -176,8 +176,8 @@ class Search:
         return row
 
     def best(self) -> dict | None:
-        pick = rec.recommend(self.rows, self.target.nodes)
-        return None if pick is None else pick
+        """`recommend`'s pick among the rows so far (None while none fits)."""
+        return rec.recommend(self.rows, self.target.nodes)
 
 
 def _options(cfg, key: str, target: Target) -> tuple:
