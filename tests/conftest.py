@@ -158,3 +158,38 @@ def user_error_line(r, code: int = 2, *needles: str) -> str:
     for n in needles:
         assert n in lines[0], (n, lines[0])
     return lines[0]
+
+
+def run_cli(*args, timeout: int = 300):
+    """`python -m trn_accum.cli ARGS` from the repository root in `subprocess_env()`: the
+    finished process (stdout and stderr captured as text)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    return subprocess.run(
+        [sys.executable, "-m", "trn_accum.cli", *map(str, args)],
+        env=subprocess_env(),
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def write_bpe_tokenizer(path, corpus: list[str], vocab_size: int = 300) -> str:
+    """A small byte-level BPE tokenizer.json trained on `corpus` (with "<|endoftext|>"), saved
+    at `path` (the `tokenizers` package, as prepare-data reads it). Returns the path."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(corpus, trainer)
+    tok.save(str(path))
+    return str(path)

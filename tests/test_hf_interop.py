@@ -7,8 +7,6 @@ import dataclasses
 import json
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -17,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import subprocess_env, user_error_line
+from conftest import run_cli, user_error_line
 from safetensors.numpy import load_file, save_file
 
 from trn_accum.interop import convert, evaluate, hf_io, llama
@@ -43,15 +41,7 @@ LLAMA3 = {
 TOL = 1e-4
 
 
-def cli(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "trn_accum.cli", *map(str, args)],
-        env=subprocess_env(),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+cli = run_cli
 
 
 def sets(*extra):

@@ -7,15 +7,13 @@ does not count, a `q_proj.bias` under `attention_bias: false`) and by safetensor
 is the reference for how `rope_scaling` / `rope_parameters` are read."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import transformers
-from conftest import subprocess_env, user_error_line
+from conftest import run_cli, user_error_line
 from safetensors.numpy import save_file
 
 from trn_accum.config.load import load_config
@@ -43,15 +41,7 @@ def edit_config(directory: Path, **changes) -> None:
     path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
 
 
-def cli(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "trn_accum.cli", *map(str, args)],
-        env=subprocess_env(),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+cli = run_cli
 
 
 @pytest.fixture(scope="module")

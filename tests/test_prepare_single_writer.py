@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from conftest import write_bpe_tokenizer
 
 from trn_accum import cli
 from trn_accum.data.datasets import DataError, TokenDataset
@@ -31,17 +31,7 @@ def _files(d) -> dict[str, bytes]:
 
 def _bpe(path) -> str:
     """A small byte-level BPE tokenizer.json: slow enough per byte to keep a writer busy."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator([" ".join(WORDS)] * 20, trainer)
-    tok.save(str(path))
-    return str(path)
+    return write_bpe_tokenizer(path, [" ".join(WORDS)] * 20)
 
 
 def _slow_writer(src: str, out: str, tokenizer: str) -> None:

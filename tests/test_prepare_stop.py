@@ -15,9 +15,8 @@ import sys
 import time
 
 import pytest
-from conftest import subprocess_env
+from conftest import subprocess_env, write_bpe_tokenizer
 from tmpfs import small_tmpfs
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from trn_accum.data.prepare import prepare_data
 from trn_accum.data.tokens import read_meta
@@ -126,16 +125,7 @@ def test_a_sigint_swallowed_by_a_gc_callback_still_stops_the_run(tmp_path):
 def bpe(tmp_path_factory) -> str:
     """A small byte-level BPE tokenizer.json: a few MB take it seconds."""
     path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator([LINE.decode()] * 20, trainer)
-    tok.save(str(path))
+    write_bpe_tokenizer(path, [LINE.decode()] * 20)
     return str(path)
 
 

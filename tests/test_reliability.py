@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import subprocess_env, user_error_line
+from conftest import run_cli, subprocess_env, user_error_line
 from tmpfs import resize, small_tmpfs
 
 from trn_accum.errors import EXIT_SAVE_FAILED, EXIT_USAGE
@@ -56,15 +56,7 @@ def train(run_dir, *sets, devices=8, allow=(), fault=None):
     )
 
 
-def cli(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "trn_accum.cli", *map(str, args)],
-        env=subprocess_env(),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+cli = run_cli
 
 
 def _train_steps_in_file_order(run_dir):

@@ -8,7 +8,8 @@ import json
 
 import numpy as np
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from conftest import write_bpe_tokenizer
+from tokenizers import Tokenizer
 
 from trn_accum.data import token_corpus
 from trn_accum.data.datasets import DataError
@@ -17,27 +18,15 @@ from trn_accum.data.token_corpus import TokenCorpus
 from trn_accum.data.tokens import read_meta
 
 
-def _bpe(path, corpus: list[str]) -> str:
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(corpus, trainer)
-    tok.save(str(path))
-    return str(path)
-
-
 def _jsonl(path, docs: list[str]) -> str:
     path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     return str(path)
 
 
 def test_parts_prepared_with_two_tokenizers_of_one_size_are_refused(tmp_path):
-    a = _bpe(tmp_path / "a.json", ["the quick brown fox jumps over the lazy dog"] * 30)
+    a = write_bpe_tokenizer(
+        tmp_path / "a.json", ["the quick brown fox jumps over the lazy dog"] * 30
+    )
     spec = json.loads(open(a).read())  # b: a with the ids of two tokens swapped
     vocab = spec["model"]["vocab"]
     vocab["q"], vocab["z"] = vocab["z"], vocab["q"]
