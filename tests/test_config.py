@@ -21,7 +21,8 @@ def test_reference_config_is_fuji_3b_recipe():
     assert (m.num_heads, m.num_kv_heads, m.head_dim) == (24, 8, 128)
     assert (m.rope_theta, m.norm_eps, m.max_seq_len) == (500000.0, 1e-5, 8192)
     assert (m.compute_dtype, m.layer_loop, m.remat) == ("bfloat16", "unroll", "save_attention")
-    assert (m.attention, m.loss_chunk) == ("blockwise", 0)  # the dry-run's choice: whole loss
+    # the settings search's pick (benchmarks/resolutions.json, tests/test_resolutions.py)
+    assert (m.attention, m.attention_block, m.loss_chunk) == ("flash", 512, 1024)
     assert (m.init, m.rope) == ("fan_in", "interleaved")  # the reference recipe
     assert cfg.mesh == C.MeshConfig(data=-1, fsdp=32, model=2, rules="trn2", nodes=32)
     assert (cfg.data.global_batch, cfg.data.seq_len) == (2048, 8192)

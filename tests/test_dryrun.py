@@ -37,7 +37,7 @@ F3B = str(ROOT / "configs" / "fuji-3b-trn2.toml")
     ids=["hybrid", "reference"],
 )
 def test_reduced_depth_3b_dry_run_on_64_devices(mesh_sets, all_nodes):
-    """2 of the 28 layers of the trn2 config, on both meshes: nothing substituted (blockwise
+    """2 of the 28 layers of the trn2 config, on both meshes: nothing substituted (flash
     attention), zero split collectives, no preflight blocker, exact per-device bytes, exit 0."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env["XLA_FLAGS"] = xla_flags()  # the CLI sets 64 devices itself
@@ -54,7 +54,7 @@ def test_reduced_depth_3b_dry_run_on_64_devices(mesh_sets, all_nodes):
     cfg = load_config(F3B, ["model.num_layers=2"])
     per_layer = 100_669_440
     assert rep["params"] == fuji.num_params(cfg.model) == 402_653_184 + 2 * per_layer + 3072
-    assert rep["attention"] == "blockwise" and rep["substitutions"] == []
+    assert rep["attention"] == "flash" and rep["substitutions"] == []
     assert rep["mesh_per_node"] == {"data": 1, "fsdp": 32, "model": 2}
     assert rep["mesh_all_nodes"] == all_nodes
     # 2048 rows / 32 nodes = 64 per node, over 32 fsdp groups: 2 per group, 2 / k per minibatch
@@ -87,7 +87,7 @@ def test_reduced_depth_3b_dry_run_on_64_devices(mesh_sets, all_nodes):
         assert fit["compiled_total_bytes"] != fit["xla_cpu_total_bytes"]
         assert st["config"]["fits"] == fit["compiled_fits"]
         assert {c["candidate"]["mesh"] for c in st["candidates"]} == {"hybrid-m2"}
-        # the config's blockwise 512 and the search's other block (plan/search.py)
+        # the config's 512-token block and the search's other block (plan/search.py)
         assert {c["candidate"]["attention_block"] for c in st["candidates"]} == {None, 1024}
         assert st["recommendation"]["candidate"]["mesh_shape"] == rec.MESHES["hybrid-m2"] | {
             "data": 1

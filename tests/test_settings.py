@@ -185,6 +185,34 @@ def test_a_resolution_survives_json_and_picks_the_same_again():
     assert again.settings == res.settings and res.settings["trainer.accum_steps"] == 2
 
 
+def test_a_subprocess_search_is_relayed_line_by_line_as_it_prices():
+    """The subprocess's candidate lines reach `say` while it still runs (its stderr is read by a
+    thread as it comes), not all at its end; other lines are kept for the error message."""
+    import os
+    import threading
+
+    r, w = os.pipe()
+    heard, kept = [], []
+    got_first = threading.Event()
+
+    def say(line):
+        heard.append(line)
+        got_first.set()
+
+    reader, writer = os.fdopen(r), os.fdopen(w, "w")
+    relay = threading.Thread(target=settings_run._relay, args=(reader, say, kept))
+    relay.start()
+    writer.write("  [1] config x1 k=2: 0.5 s\n")
+    writer.flush()
+    assert got_first.wait(10), "the first candidate line was not relayed before the end"
+    writer.write("a warning\nsettings search for ...\n")
+    writer.close()  # the end of the stream: the relay reads to it and returns
+    relay.join(10)
+    reader.close()
+    assert heard == ["  [1] config x1 k=2: 0.5 s", "settings search for ..."]
+    assert kept == ["  [1] config x1 k=2: 0.5 s", "a warning", "settings search for ..."]
+
+
 @pytest.mark.slow
 def test_dry_run_and_train_run_the_same_search_and_settings(tmp_path, monkeypatch):
     """`dry-run` and `trn-accum train` both resolve through `settings.choose` (counted), print

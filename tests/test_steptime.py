@@ -157,6 +157,30 @@ def test_recommend_trades_up_to_the_band_of_step_time_for_memory_headroom():
     assert rec.HEADROOM_BAND == 0.05
 
 
+def test_within_the_band_the_fewest_bytes_win_whatever_setting_gives_them():
+    """Any setting, not only k: within 5 % of the fastest the candidate with the fewest peak
+    bytes per device wins (its reason says so, with both figures); beyond the band it does not;
+    where the bytes are equal the larger k wins."""
+
+    def row(attention, k, t, gib):
+        summary = {**_summary(0.0, 0.0, t - 1.5), "memory_bytes": gib * 2**30}
+        cand = rec.Candidate("config", 1, k, "per_minibatch", "none", attention=attention)
+        return {"candidate": cand, "fits": True, "summary": summary}
+
+    flash, blockwise = row("flash", 2, 1.000, 12.28), row("blockwise", 2, 1.030, 12.03)
+    best = rec.recommend([flash, blockwise], 1)
+    assert best["candidate"]["attention"] == "blockwise"
+    assert best["reasons"][0] == (
+        "attention = blockwise over flash for memory headroom: step 1.030 s vs 1.000 s "
+        "(predicted), within 5%; no CPU fit check is the target's allocator; 12.03 GiB vs "
+        "12.28 GiB per device"
+    )
+    slower = row("blockwise", 2, 1.060, 10.0)
+    assert rec.recommend([flash, slower], 1)["candidate"]["attention"] == "flash"
+    same = [row("flash", 2, 1.000, 12.0), row("flash", 4, 1.040, 12.0)]
+    assert rec.recommend(same, 1)["candidate"]["k"] == 4
+
+
 def test_recommend_without_headroom_band_is_the_fastest(monkeypatch):
     monkeypatch.setattr(rec, "HEADROOM_BAND", 0.0)
     rows = [

@@ -7,6 +7,8 @@
     trn-accum eval --run-dir DIR (--data TOKEN_DIR | --tokens FILE.npy) [--json]
 
 JAX and the converters are imported inside the commands, as trn_accum.cli does for its own.
+import-hf and export-hf show their progress on stderr (`trn_accum.data.progress.Meter`: a bar on
+a terminal, lines in a log file); stdout holds only each command's own result line.
 """
 
 from __future__ import annotations
@@ -30,7 +32,12 @@ def _cmd_import(args) -> int:
     from trn_accum.interop import convert
 
     n = convert.import_hf(
-        args.hf_dir, args.config, args.overrides, args.run_dir, args.allow_unused_tensors
+        args.hf_dir,
+        args.config,
+        args.overrides,
+        args.run_dir,
+        args.allow_unused_tensors,
+        progress=sys.stderr,
     )
     print(
         f"imported {n:,} parameters from {args.hf_dir} into "
@@ -45,7 +52,7 @@ def _cmd_export(args) -> int:
     from trn_accum.interop import convert
 
     tokens = {k: getattr(args, k) for k in TOKEN_FLAGS}
-    files = convert.export_hf(args.run_dir, args.out_dir, args.dtype, tokens)
+    files = convert.export_hf(args.run_dir, args.out_dir, args.dtype, tokens, sys.stderr)
     if files:
         print(f"wrote {', '.join(files)} ({args.dtype}) to {args.out_dir}")
     if files and "generation_config.json" not in files:  # process 0 wrote the export

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Sequence
+from typing import TextIO
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +35,7 @@ from trn_accum.checkpoint.checkpointer import Checkpointer, make_writable_dir
 from trn_accum.config import drift
 from trn_accum.config.auto import layout_config
 from trn_accum.config.load import Config, config_from_dict, load_config
+from trn_accum.data.progress import Meter, size_text
 from trn_accum.errors import EXIT_SAVE_FAILED, listed
 from trn_accum.interop import generation, hf_io, llama, validate
 from trn_accum.interop.llama import InteropError
@@ -123,15 +125,24 @@ def check_checkpoint(
     return files
 
 
-def read_param(files: dict[str, str], path: str, cfg: fuji.ModelConfig) -> np.ndarray:
-    """Our parameter `path` (e.g. "layers/q") as a float32 host array, from the HF tensors."""
+def read_param(
+    files: dict[str, str],
+    path: str,
+    cfg: fuji.ModelConfig,
+    read: Callable[[str], None] = lambda name: None,
+) -> np.ndarray:
+    """Our parameter `path` (e.g. "layers/q") as a float32 host array, from the HF tensors;
+    `read` gets the name of each HF tensor once it is read."""
     shape = _leaf(fuji.param_shapes(cfg), path).shape
     names = {p_l: n for n, p_l in llama.tensor_names(cfg.num_layers).items()}
     if not path.startswith("layers/"):
-        return llama.to_ours(path, hf_io.read_tensor(files, names[(path, None)]), shape, cfg.rope)
+        hf = hf_io.read_tensor(files, names[(path, None)])
+        read(names[(path, None)])
+        return llama.to_ours(path, hf, shape, cfg.rope)
     out = np.empty(shape, np.float32)
     for layer in range(cfg.num_layers):
         hf = hf_io.read_tensor(files, names[(path, layer)])
+        read(names[(path, layer)])
         out[layer] = llama.to_ours(path, hf, shape[1:], cfg.rope)
     return out
 
@@ -169,22 +180,45 @@ def import_hf(
     run_dir: str,
     allow_unused: bool = False,
     say: Callable[[str], None] = print,
+    progress: TextIO | None = None,
 ) -> int:
     """Writes RUN_DIR's step-0 checkpoint from the HF checkpoint in `hf_dir` under the config
     file (with `--set` overrides); tensors the model does not use are refused, or with
-    `allow_unused` dropped and named through `say`. Returns the number of parameters
-    imported."""
+    `allow_unused` dropped and named through `say`. Process 0 shows its progress on the
+    stream `progress` (`Meter`: the tensors read, then the save). Returns the number of
+    parameters imported."""
     cfg = load_config(config_path, overrides)
     files = check_checkpoint(hf_dir, cfg.model, allow_unused, say)
     gen = generation.from_hf(hf_dir, cfg.model.vocab_size)  # for export-hf: token ids
     _refuse_existing(run_dir)
     # the mesh, data and state layout the trainer uses ("auto" settings do not change it)
-    trainer = Trainer.build(layout_config(cfg))
+    trainer = Trainer.build(layout_config(cfg))  # no compile: seconds, and its refusals
     shardings = trainer.state_shardings
-    params = jax.tree_util.tree_map_with_path(
-        lambda p, sharding: _place(read_param(files, _keypath(p), cfg.model), sharding),
-        shardings["params"],
+    sizes = hf_io.stored_bytes(files, hf_shapes(cfg.model))
+    total, shards = sum(sizes.values()), len({files[n] for n in sizes})
+    meter = Meter(
+        "import-hf",
+        total,
+        progress if jax.process_index() == 0 else None,
+        items=len(sizes),
+        item="tensors",
+        first=f"reading {len(sizes)} tensors ({size_text(total)}) from {hf_dir} "
+        f"({shards} file{'s' if shards > 1 else ''}) into {run_dir}",
     )
+    with meter:
+        params = jax.tree_util.tree_map_with_path(
+            lambda p, sharding: _place(
+                read_param(files, _keypath(p), cfg.model, lambda n: meter.update(sizes[n])),
+                sharding,
+            ),
+            shardings["params"],
+        )
+        read_s = meter.elapsed_s()
+        meter.close(
+            f"read {len(sizes)} tensors ({size_text(total)}) in {read_s:.1f} s; saving step 0 "
+            f"(the parameters and a fresh optimizer state) to "
+            f"{os.path.join(run_dir, 'checkpoints', '0')}"
+        )
     tx = trainer.program.tx
     with jax.set_mesh(trainer.mesh):
         opt_state = jax.jit(tx.init, out_shardings=shardings["opt_state"])(params)
@@ -207,6 +241,9 @@ def import_hf(
     finally:
         if claim is not None:
             claim.release()
+    meter.say(
+        f"done: saved in {meter.elapsed_s() - read_s:.1f} s ({meter.elapsed_s():.1f} s in all)"
+    )
     return fuji.num_params(cfg.model)
 
 
@@ -254,13 +291,18 @@ def restore_params(run_dir: str) -> tuple[Config, jax.sharding.Mesh, dict, int]:
 
 
 def export_hf(
-    run_dir: str, out_dir: str, dtype: str = "bfloat16", tokens: dict | None = None
+    run_dir: str,
+    out_dir: str,
+    dtype: str = "bfloat16",
+    tokens: dict | None = None,
+    progress: TextIO | None = None,
 ) -> list[str]:
     """Writes the run's newest committed checkpoint into `out_dir` as a Hugging Face Llama
     checkpoint (process 0 writes): config.json with what generation needs (`generation`: the
     import's token ids and context length, `tokens` (key -> id) over them),
     generation_config.json, the tensors in `dtype`. The directory is replaced whole
-    (`hf_io.write_checkpoint`). Returns the files written."""
+    (`hf_io.write_checkpoint`). Process 0 shows its progress on the stream `progress`
+    (`Meter`: the restore, then the tensors written). Returns the files written."""
     if jax.process_index() == 0:
         hf_io.check_out_dir(out_dir)
         try:
@@ -271,7 +313,14 @@ def export_hf(
                 f"pass an OUT_DIR in a writable directory",
                 exit_code=EXIT_SAVE_FAILED,
             ) from None
-    cfg, _, params, _ = restore_params(run_dir)
+    stream = progress if jax.process_index() == 0 else None
+    if stream is not None:
+        print(
+            f"export-hf: restoring the parameters of the newest checkpoint in {run_dir}",
+            file=stream,
+            flush=True,
+        )
+    cfg, _, params, step = restore_params(run_dir)
     m = cfg.model
     config, gen_config = generation.export_fields(
         generation.load(run_dir), tokens or {}, m.vocab_size, m.max_seq_len
@@ -292,7 +341,9 @@ def export_hf(
                 multihost_utils.process_allgather(_leaf(params, path), tiled=True)
             )
         value = host[path] if layer is None else host[path][layer]
-        return np.ascontiguousarray(llama.to_hf(path, value, m.rope).astype(np_dtype))
+        out = np.ascontiguousarray(llama.to_hf(path, value, m.rope).astype(np_dtype))
+        meter.update(sizes[name])
+        return out
 
     if jax.process_index() != 0:
         for path in paths:  # the gathers are collective: every process joins
@@ -300,8 +351,21 @@ def export_hf(
         return []
     config = {**llama.hf_config(m, dtype), **config}
     extra = {hf_io.GENERATION_CONFIG: gen_config} if gen_config else {}
+    total = sum(sizes.values())
+    what = f"{len(sizes)} tensors ({size_text(total)}, {dtype})"
+    meter = Meter(
+        "export-hf",
+        total,
+        stream,
+        items=len(sizes),
+        item="tensors",
+        first=f"writing {what} of step {step} to {out_dir}",
+    )
     try:
-        return hf_io.write_checkpoint(out_dir, config, sizes, tensor, extra=extra)
+        with meter:
+            written = hf_io.write_checkpoint(out_dir, config, sizes, tensor, extra=extra)
+            meter.close(f"done: wrote {what} in {meter.elapsed_s():.1f} s")
+        return written
     except (OSError, SafetensorError) as e:
         raise InteropError(
             f"export to {out_dir} failed ({e}): free space or fix the storage, then export "

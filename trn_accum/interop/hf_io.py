@@ -124,6 +124,16 @@ def tensor_headers(files: dict[str, str]) -> dict[str, tuple[str, tuple[int, ...
     return out
 
 
+# bytes per element of the dtypes a checkpoint may hold (`validate.FLOAT_DTYPES`)
+ITEM_BYTES = {"F16": 2, "BF16": 2, "F32": 4, "F64": 8}
+
+
+def stored_bytes(files: dict[str, str], names: Iterable[str]) -> dict[str, int]:
+    """Tensor name -> its bytes in its file, for each of `names` (from the headers)."""
+    headers = tensor_headers(files)
+    return {n: int(np.prod(headers[n][1])) * ITEM_BYTES[headers[n][0]] for n in names}
+
+
 def read_tensor(files: dict[str, str], name: str) -> np.ndarray:
     """One tensor as float32 (bfloat16 and float16 widen exactly). InteropError, naming it,
     when its stored dtype is not a float weight dtype (checked in the header, before any

@@ -24,10 +24,12 @@ The search is staged, as the step-time model's mesh search is (`trn_accum.plan.s
    of `search.ATTENTION_BLOCKS` (at most the sequence), and the other loss chunks (the whole
    minibatch, the reference chunk, and a chunk sized from the two measured footprints). Repeated
    once on a new fastest.
-3. The next two valid k above the pick's, at its settings: the headroom rule
-   (`trn_accum.analysis.recommend.recommend`, `HEADROOM_BAND`) trades up to 5 % of predicted
-   time for a larger k, because no fit check on CPU is the target's allocator.
-Then `confirm` (the caller's) compiles the pick where a platform compiler is at hand (the chip
+3. The next two valid k above the fastest's, at its settings.
+Then the pick, by the rule `dry-run`'s mesh search uses too
+(`trn_accum.analysis.recommend.recommend`): the fastest that fits, or within `HEADROOM_BAND`
+(5 %) of its predicted time the candidate with the fewest peak bytes per device, because no fit
+check on CPU is the target's allocator and the model does not tell such times apart. Then
+`confirm` (the caller's) compiles the pick where a platform compiler is at hand (the chip
 of a run; libtpu for a TPU dry-run); a pick it refuses is passed over for the next.
 
 Candidate attention kinds: blockwise and flash everywhere; neuron_flash on a Neuron device only,
@@ -295,8 +297,10 @@ def _variants(s: Search, pick: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _pick_values(s: Search) -> dict[str, Any] | None:
-    best = s.best()
-    return None if best is None else values_of(rec.Candidate(**best["candidate"]))
+    """The settings of the fastest row that fits so far (None while none fits): stages 2 and 3
+    search around it; the headroom rule chooses among all rows once, at the end."""
+    fits = [r for r in s.rows if r["fits"]]
+    return values_of(min(fits, key=rec.sort_key)["candidate"]) if fits else None
 
 
 def search(cfg, target: Target, *, devices=None, say: Callable[[str], None] | None = None):

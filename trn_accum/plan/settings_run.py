@@ -19,6 +19,7 @@ import argparse
 import json
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -89,6 +90,9 @@ def resolve(
 
 
 def _in_subprocess(cfg: Config, target: Target, devices: int, say) -> Resolution:
+    """The search in `python -m trn_accum.plan.settings_run` on `devices` emulated CPU devices:
+    its progress relayed to `say` line by line as it prices (a thread reads its stderr while
+    this one reads the Resolution from its stdout, so neither pipe fills)."""
     env = pricing_env(devices)
     cmd = [sys.executable, "-m", "trn_accum.plan.settings_run", json.dumps(target.__dict__)]
     proc = subprocess.Popen(
@@ -99,16 +103,35 @@ def _in_subprocess(cfg: Config, target: Target, devices: int, say) -> Resolution
         stderr=subprocess.PIPE,
         text=True,
     )
-    out, err = proc.communicate(json.dumps(config_to_dict(cfg)))
-    if say:
-        for line in err.splitlines():
-            if line.startswith("  ") or line.startswith("settings search"):
-                say(line)
+    lines: list[str] = []
+    relay = threading.Thread(target=_relay, args=(proc.stderr, say, lines), daemon=True)
+    relay.start()
+    try:
+        proc.stdin.write(json.dumps(config_to_dict(cfg)))
+        proc.stdin.close()
+        out = proc.stdout.read()
+        proc.wait()
+    finally:
+        if proc.poll() is None:  # interrupted: no search left running behind
+            proc.kill()
+            proc.wait()
+        relay.join()  # the relay has read stderr to its end before it is closed
+        proc.stdout.close()
+        proc.stderr.close()
     if proc.returncode:
-        lines = [ln for ln in err.splitlines() if ln.strip()]
-        last = lines[-1] if lines else f"exit {proc.returncode}"
+        last = next((ln for ln in reversed(lines) if ln.strip()), f"exit {proc.returncode}")
         raise SettingsError(f"the settings search failed: {last}")
     return Resolution.from_dict(json.loads(out))
+
+
+def _relay(stream, say, lines: list[str]) -> None:
+    """Every line of `stream` kept in `lines`; the search's own (its heading and candidates)
+    passed to `say` as they come."""
+    for line in stream:
+        line = line.rstrip("\n")
+        lines.append(line)
+        if say and (line.startswith("  ") or line.startswith("settings search")):
+            say(line)
 
 
 def compile_on(mesh: jax.sharding.Mesh) -> Callable[[Any], None]:
