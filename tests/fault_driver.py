@@ -5,8 +5,8 @@
 KIND:
 - sigterm_after_step: the process sends itself SIGTERM right after step STEP is logged (the
   real preemption path: the handler sets the flag, the loop saves that step and exits 75);
-- sigkill_after_save_start: SIGKILL right after the background save of step STEP has
-  started, before it commits (a save killed half-way);
+- sigkill_after_save_start: SIGKILL once the background save of step STEP has started and
+  made its temporary directory, before it commits (a save killed half-way);
 - sigkill_after_step: SIGKILL right after step STEP is logged (a trainer killed outright: it
   leaves its run-dir claim behind);
 - truncate_after_step: right after step STEP is logged, the file named by $FAULT_TRUNCATE is
@@ -18,6 +18,7 @@ The trainer is unchanged: the driver wraps `MetricsLogger.log_train` and `Checkp
 import os
 import signal
 import sys
+import time
 
 from trn_accum import cli
 from trn_accum.checkpoint.checkpointer import Checkpointer
@@ -51,6 +52,14 @@ def _install(kind: str, at: int) -> None:
         def saving(self, step, state, **kwargs):
             started = save(self, step, state, **kwargs)
             if started and int(step) == at:
+                # half-way: once the background save has made its temporary directory (on a
+                # loaded machine that can come after save() returns)
+                tmp = f"{int(step)}.orbax-checkpoint-tmp"
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline and not any(
+                    n.startswith(tmp) for n in os.listdir(self.directory)
+                ):
+                    time.sleep(0.01)
                 os.kill(os.getpid(), signal.SIGKILL)
             return started
 
