@@ -253,10 +253,11 @@ def test_step_time_model_that_cannot_price_the_config_is_one_report_line(monkeyp
     results stand, and the step-time model is one line saying why it is missing."""
     from trn_accum.plan import perfmodel, perfmodel_cli
 
-    def cannot(*args, **kwargs):
-        raise perfmodel.StepTimeError("the step-time model could not price this config: nope")
+    class Cannot:  # perfmodel_cli.Pending of a process that failed
+        def result(self):
+            raise perfmodel.StepTimeError("the step-time model could not price this config: nope")
 
-    monkeypatch.setattr(perfmodel_cli, "run_in_subprocess", cannot)
+    monkeypatch.setattr(perfmodel_cli, "start_in_subprocess", lambda *a, **k: Cannot())
     rep = dryrun.run(TINY, step_time=True)
     msg = "the step-time model could not price this config: nope"
     assert rep["blockers"] == [] and rep["step_time"] == {"error": msg}
@@ -271,11 +272,15 @@ def test_step_time_model_prices_the_settings_the_dry_run_resolved_from_auto(monk
 
     seen = {}
 
-    def capture(config_path, overrides, nodes, **kwargs):
-        seen["overrides"] = list(overrides)
-        return {"captured": True}
+    class Captured:  # perfmodel_cli.Pending of a process that priced
+        def result(self):
+            return {"captured": True}
 
-    monkeypatch.setattr(perfmodel_cli, "run_in_subprocess", capture)
+    def capture(config_path, overrides, nodes, *args, **kwargs):
+        seen["overrides"] = list(overrides)
+        return Captured()
+
+    monkeypatch.setattr(perfmodel_cli, "start_in_subprocess", capture)
     # the search's pricing faked (it is tests/test_settings.py's): this checks the plumbing
     from test_settings import fake_predict
 
@@ -295,3 +300,27 @@ def test_step_time_model_prices_the_settings_the_dry_run_resolved_from_auto(monk
     cfg = load_config(TINY, seen["overrides"])
     assert cfg.trainer.accum_steps == rep["accum_steps"] and cfg.model.remat == rep["remat"]
     assert cfg.model.loss_chunk == rep["loss"]["loss_chunk"] != "auto"
+
+
+def test_a_failed_dry_run_ends_its_step_time_process(monkeypatch):
+    """The step-time model's process starts beside the compile; a dry-run that fails after
+    starting it ends it (no process left pricing for a report nobody reads)."""
+    from trn_accum.plan import perfmodel_cli
+
+    ended = []
+
+    class Started:  # perfmodel_cli.Pending
+        def result(self):
+            raise AssertionError("the report of a failed dry-run is not read")
+
+        def cancel(self):
+            ended.append(True)
+
+    def broken(*args, **kwargs):
+        raise dryrun.DryRunError("the step does not compile")
+
+    monkeypatch.setattr(perfmodel_cli, "start_in_subprocess", lambda *a, **k: Started())
+    monkeypatch.setattr(dryrun.step, "build_step", broken)
+    with pytest.raises(dryrun.DryRunError, match="does not compile"):
+        dryrun.run(TINY, step_time=True)
+    assert ended == [True]

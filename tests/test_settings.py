@@ -107,6 +107,20 @@ def test_headroom_takes_a_larger_k_within_the_band_and_no_further(monkeypatch):
     assert res.settings["trainer.accum_steps"] == 1, res.format()
 
 
+def test_each_stage_says_how_many_candidates_it_prices_and_about_how_long(monkeypatch):
+    """Before each stage one line: its new candidates and, at the mean time of those priced so
+    far, about how long they take (the first stage has no time to go by)."""
+    monkeypatch.setattr(settings, "predict", fake_predict(_time, _bytes))
+    heard = []
+    settings.choose(_cfg(24, ["model.attention=auto"]), TRN2_NODE, devices=[], say=heard.append)
+    stages = [line for line in heard if "to price" in line]
+    assert stages[0] == "  k: 3 candidate(s) to price"
+    assert stages[1].startswith("  one setting at a time: ") and ", about " in stages[1]
+    priced = [line for line in heard if line.startswith("  [")]
+    counts = [int(line.split(": ")[1].split()[0]) for line in stages]
+    assert sum(counts) == len(priced)
+
+
 def test_written_settings_are_kept_and_nothing_is_priced_without_auto(monkeypatch):
     predict = fake_predict(_time, _bytes)
     monkeypatch.setattr(settings, "predict", predict)

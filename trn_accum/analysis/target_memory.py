@@ -25,6 +25,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from trn_accum.analysis.hlo.module import HloModule
 from trn_accum.analysis.live_bytes import peak_live_bytes
 from trn_accum.analysis.memory import compiled_memory, footprint
 
@@ -121,13 +122,13 @@ def backend_peak(compiled: Any) -> int | None:
 
 def estimate(
     platform_name: str,
-    partitioned: str,
+    partitioned: str | HloModule,
     lower: Callable[[Sequence[Any]], Any] | None = None,
     n_devices: int = 1,
 ) -> dict[str, Any]:
     """{"bytes", "source"}: the platform's compiler's figure where `tpu_devices` finds one
-    (and `lower` is given), else the peak live bytes of `partitioned` (the HLO text after the
-    SPMD partitioner, `trn_accum.analysis.hlo.partitioned`)."""
+    (and `lower` is given), else the peak live bytes of `partitioned` (the module after the
+    SPMD partitioner, `trn_accum.analysis.hlo.partitioned`: its text, or parsed)."""
     devices = tpu_devices(platform_name, n_devices) if lower is not None else None
     if devices is not None:
         return {"bytes": tpu_footprint(lower, devices), "source": SOURCE_TPU}

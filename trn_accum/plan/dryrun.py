@@ -17,7 +17,8 @@ shardings: no memory for parameters. The report:
 - FLOPs per step: analytic 6·N·tokens + causal attention, and `cost_analysis()` corrected for
   loop trip counts (XLA counts a while body once: the dot FLOPs of each loop computation, read
   from the compiled HLO, are added trip_count - 1 more times);
-- the step-time floor (analytic FLOPs at peak) and the MFU formula for the node count;
+- the step-time floor (analytic FLOPs at peak) and the MFU formula for the node count (the
+  step-time model's own process, `perfmodel_cli`, prices beside the compile);
 - the collectives of `split_minibatches` compiled alone with the real input sharding (must be
   0, else a blocker), and the collectives of the whole step (inside / outside loops);
 - the Neuron preflight (`trn_accum.neuron.preflight`) of the step's module right after the
@@ -89,7 +90,7 @@ def _cost_flops(compiled) -> float | None:
     return float(cost["flops"])
 
 
-def preflight_findings(hlo_text: str) -> tuple[list[str], list[str]]:
+def preflight_findings(hlo_text: str | hlo_lib.HloModule) -> tuple[list[str], list[str]]:
     """(blockers, warnings) of `trn_accum.neuron.preflight` as one-line strings; the PRNG is
     taken as rbg, what a trn2 run configures (`trn_accum.cluster.distributed.initialize`)."""
     blockers, warnings = [], []
@@ -133,41 +134,41 @@ def run(
     plat = platforms.get(platform_name)
     say(f"dry-run: {config_path} on {devices or len(jax.devices())} emulated {plat.name} devices")
     subs = substitutions(cfg)
-    with kernels.substitute(kernels.reference_kernels()) if subs else contextlib.nullcontext():
-        report = _run(cfg, config_path, overrides, devices, nodes, t_start, plat, say)
-    report["substitutions"] = subs
-    if step_time:
-        what = (
-            "the config and its candidates (--search: minutes, 663 s for the 3B config on 2 cores)"
-            if search or step_time_meshes
-            else "the config"
+    started: list[perfmodel_cli.Pending] = []
+    searching = search or bool(step_time_meshes)
+
+    def start_step_time(resolution, n_dev: int) -> None:  # once the settings are known
+        what = "the config and its candidates (--search: minutes)" if searching else "the config"
+        say(f"dry-run: the {plat.name} step-time model of {what}, in a process of its own")
+        sets = [*overrides, *resolved_settings(resolution)]
+        kw = dict(platform_name=plat.name, devices_per_node=n_dev, search=searching)
+        started.append(
+            perfmodel_cli.start_in_subprocess(config_path, sets, nodes, step_time_meshes, **kw)
         )
-        say(
-            f"dry-run: the {plat.name} step-time model of {what} on "
-            f"{min(report['nodes'], perfmodel.EMULATE_NODES)} emulated node(s) "
-            f"({time.perf_counter() - t_start:.0f} s so far)"
-        )
-        try:
-            report["step_time"] = perfmodel_cli.run_in_subprocess(
-                config_path,
-                [*overrides, *resolved_settings(cfg, report)],
-                report["nodes"],
-                meshes=step_time_meshes,
-                platform_name=plat.name,
-                devices_per_node=report["devices"],
-                search=search or bool(step_time_meshes),
-            )
-        except perfmodel.StepTimeError as e:
-            report["step_time"] = {"error": one_line(e)}
+
+    try:
+        with kernels.substitute(kernels.reference_kernels()) if subs else contextlib.nullcontext():
+            starts = start_step_time if step_time else None
+            report = _run(cfg, config_path, overrides, devices, nodes, t_start, plat, say, starts)
+        report["substitutions"] = subs
+        if started:
+            waited = time.perf_counter() - t_start
+            say(f"dry-run: waiting for the step-time model ({waited:.0f} s so far)")
+            try:
+                report["step_time"] = started.pop().result()
+            except perfmodel.StepTimeError as e:
+                report["step_time"] = {"error": one_line(e)}
+    finally:
+        for pending in started:  # the dry-run failed: its step-time model goes too
+            pending.cancel()
     return report
 
 
-def resolved_settings(cfg, report: dict[str, Any]) -> list[str]:
-    """--set items fixing each setting `cfg` leaves "auto" to what this dry-run resolved
-    (`report`, the settings train will run), so that the step-time model prices the step the
-    dry-run compiled and not the word "auto"."""
-    chosen = report["train_will_run"]
-    return [f"{key}={chosen['settings'][key]}" for key in chosen["auto"]]
+def resolved_settings(resolution) -> list[str]:
+    """--set items fixing each setting the config leaves "auto" to what this dry-run resolved
+    (the settings train will run), so that the step-time model prices the step the dry-run
+    compiled and not the word "auto"."""
+    return [f"{key}={resolution.settings[key]}" for key in resolution.auto]
 
 
 def _tpu_fit_check(plat, node_batch: int, n_dev: int, budget: float):
@@ -217,7 +218,9 @@ def _lower_on(cfg, node_batch: int):
     return lower
 
 
-def _run(cfg, config_path, overrides, devices, nodes, t_start, plat, say) -> dict[str, Any]:
+def _run(
+    cfg, config_path, overrides, devices, nodes, t_start, plat, say, start_step_time
+) -> dict[str, Any]:
     notes: list[str] = []
     devs = jax.devices()
     n_dev = len(devs) if devices is None else devices
@@ -239,6 +242,8 @@ def _run(cfg, config_path, overrides, devices, nodes, t_start, plat, say) -> dic
         say=say,
     )
     cfg = resolution.apply(cfg)
+    if start_step_time is not None:
+        start_step_time(resolution, n_dev)
     say(
         f"dry-run: compiling the step ({cfg.model.num_layers} layers, {n_dev} devices, "
         f"k {cfg.trainer.accum_steps})"
@@ -260,8 +265,7 @@ def _run(cfg, config_path, overrides, devices, nodes, t_start, plat, say) -> dic
     t0 = time.perf_counter()
     _ = program.lowered  # timed on its own
     t1 = time.perf_counter()
-    # one compile: the executable (memory, cost, preflight) and the module right after the
-    # SPMD partitioner, whose collectives are the program's (not XLA:CPU's rewrites)
+    # one compile: the executable and the module right after the SPMD partitioner (the program's)
     compiled, partitioned = compile_partitioned(program.lowered)
     t2 = time.perf_counter()
     hlo_text = compiled.as_text()
@@ -275,7 +279,8 @@ def _run(cfg, config_path, overrides, devices, nodes, t_start, plat, say) -> dic
     with jax.set_mesh(mesh):
         split_hlo = split.lower(batch_in).compile().as_text()
     split_counts = count_collectives(split_hlo)["total"]
-    step_counts = count_collectives(partitioned)
+    parted = hlo_lib.parse_hlo(partitioned)  # parsed once: collectives, fit estimate, preflight
+    step_counts = count_collectives(parted)
 
     # Bytes per device, exact from shard shapes on the full (multi-node) mesh.
     n_params = fuji.num_params(cfg.model)
@@ -295,7 +300,7 @@ def _run(cfg, config_path, overrides, devices, nodes, t_start, plat, say) -> dic
     )
     fixed = state_bytes + g_bytes + gathered  # + one minibatch's gradient, trainer.gather's
     analytic_total = fixed + act["total"]
-    target = target_memory.estimate(plat.name, partitioned, _lower_on(cfg, node_batch), n_dev)
+    target = target_memory.estimate(plat.name, parted, _lower_on(cfg, node_batch), n_dev)
     fit_nodes = sorted({1, cfg.mesh.nodes, nodes})
     fit_table = [fit_by_steps(cfg, local_shape, fixed, n, budget) for n in fit_nodes]
 
@@ -308,7 +313,7 @@ def _run(cfg, config_path, overrides, devices, nodes, t_start, plat, say) -> dic
     peak_total = plat.peak_flops * total_devices
     floor_s = fl["total"] / peak_total
 
-    blockers, warnings = preflight_findings(partitioned)  # not XLA:CPU's rewrite of it
+    blockers, warnings = preflight_findings(parted)  # not XLA:CPU's rewrite of it
     if sum(split_counts.values()):
         blockers.append(f"blocker: split: split_minibatches compiled to collectives {split_counts}")
 

@@ -1,6 +1,8 @@
 """`explore` of a config in its own process (`python -m trn_accum.plan.perfmodel_cli`, JSON on
 stdout), with as many emulated CPU devices as its nodes need: the dry-run's own process has the
-devices of one node only. `run_in_subprocess` starts it and turns a failure into one line.
+devices of one node only. `start_in_subprocess` starts it (the dry-run compiles its own step
+meanwhile) and returns what waits for its report, a failure as one line; `run_in_subprocess`
+does both.
 """
 
 from __future__ import annotations
@@ -53,10 +55,54 @@ def run_in_subprocess(
     default the platform's) in a fresh process with enough emulated CPU devices; candidates
     on the `meshes` named (of `recommend.MESHES`; None = all). `search=False`: the config
     alone (`search.price_config`)."""
+    return start_in_subprocess(
+        config_path,
+        overrides,
+        nodes,
+        meshes,
+        platform_name=platform_name,
+        devices_per_node=devices_per_node,
+        search=search,
+    ).result()
+
+
+class Pending:
+    """A started `python -m trn_accum.plan.perfmodel_cli`: `result()` waits for its report
+    (StepTimeError: why it has none, one line); `cancel()` ends it unread."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str]):
+        self.proc = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+
+    def result(self) -> dict[str, Any]:
+        out, err = self.proc.communicate()
+        if self.proc.returncode:
+            lines = [ln for ln in err.splitlines() if ln.strip()]
+            last = lines[-1] if lines else f"exit {self.proc.returncode}"
+            raise StepTimeError(f"the step-time model could not price this config: {last}")
+        return json.loads(out)
+
+    def cancel(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.communicate()
+
+
+def start_in_subprocess(
+    config_path: str,
+    overrides: Sequence[str],
+    nodes: int,
+    meshes: Sequence[str] | None = None,
+    *,
+    platform_name: str = platforms.DEFAULT,
+    devices_per_node: int | None = None,
+    search: bool = True,
+) -> Pending:
+    """`run_in_subprocess`'s process, started: its `Pending`."""
     plat = platforms.get(platform_name)
     per_node = plat.devices_per_node if devices_per_node is None else devices_per_node
     n = per_node * EMULATE_NODES  # the scale table prices the pick on up to EMULATE_NODES
-    env = pricing_env(n)
     cmd = [
         sys.executable,
         "-m",
@@ -70,12 +116,7 @@ def run_in_subprocess(
         cmd += ["--meshes", ",".join(meshes)]
     cmd += ["--platform", plat.name, "--devices-per-node", str(per_node)]
     cmd += [] if search else ["--config-only"]
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-    if out.returncode:
-        lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
-        last = lines[-1] if lines else f"exit {out.returncode}"
-        raise StepTimeError(f"the step-time model could not price this config: {last}")
-    return json.loads(out.stdout)
+    return Pending(cmd, pricing_env(n))
 
 
 def main(argv=None) -> int:

@@ -167,6 +167,7 @@ class Search:
             self.seen[cand] = None
             return None
         row = {"candidate": cand, "fits": compiled_fits(summary, self.budget), "summary": summary}
+        row["seconds"] = round(time.perf_counter() - t0, 1)
         self.rows.append(row)
         self.seen[cand] = row
         mem = summary.get("memory_bytes") or 0
@@ -176,6 +177,17 @@ class Search:
             f"{time.perf_counter() - t0:.0f} s)"
         )
         return row
+
+    def announce(self, stage: str, todo: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """`todo`, after one line saying how many of them are new and, at the mean time of
+        the candidates priced so far, about how long they take."""
+        new = {_cand(v): v for v in todo}  # one each, in order
+        n = sum(dataclasses.replace(c, nodes=self.target.nodes) not in self.seen for c in new)
+        took = [r["seconds"] for r in self.rows]
+        eta = f", about {n * sum(took) / len(took):.0f} s" if took else ""
+        if n:
+            self.say(f"  {stage}: {n} candidate(s) to price{eta}")
+        return list(new.values())
 
     def best(self) -> dict | None:
         """`recommend`'s pick among the rows so far (None while none fits)."""
@@ -314,8 +326,9 @@ def search(cfg, target: Target, *, devices=None, say: Callable[[str], None] | No
     keys = auto_keys(cfg)
     s.say(f"settings search for {', '.join(keys)} on {plat.name} ({target.nodes} node(s))")
     for base in _bases(cfg, target):  # stage 1
-        for k in _ks(s, base)[:K_LIMIT]:
-            s.price({**base, "trainer.accum_steps": k})
+        ks = [{**base, "trainer.accum_steps": k} for k in _ks(s, base)[:K_LIMIT]]
+        for values in s.announce("k", ks):
+            s.price(values)
         if s.best() is not None:
             break
     pick = _pick_values(s)
@@ -327,7 +340,7 @@ def search(cfg, target: Target, *, devices=None, say: Callable[[str], None] | No
             f", {len(s.rows)} priced): raise trainer.memory_budget_gib, or use more devices"
         )
     for _ in range(2):  # stage 2, once more on a new fastest
-        for values in _variants(s, pick):
+        for values in s.announce("one setting at a time", _variants(s, pick)):
             s.price(values)
         new = _pick_values(s)
         if new == pick:
@@ -335,8 +348,9 @@ def search(cfg, target: Target, *, devices=None, say: Callable[[str], None] | No
         pick = new
     if cfg.trainer.accum_steps == "auto":  # stage 3: larger k at the pick's settings
         above = [k for k in _all_ks(s, pick) if k > pick["trainer.accum_steps"]]
-        for k in above[:HEADROOM_KS]:
-            s.price({**pick, "trainer.accum_steps": k})
+        larger = [{**pick, "trainer.accum_steps": k} for k in above[:HEADROOM_KS]]
+        for values in s.announce("larger k", larger):
+            s.price(values)
     return s
 
 
