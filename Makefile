@@ -10,7 +10,7 @@ STAMP_PKG := $(VENV)/.installed-package-stamp
 STAMP   := $(VENV)/.installed-stamp
 export JAX_PLATFORMS ?= cpu
 
-.PHONY: install train test test-jax-next lint bench bench-publish bench-accum dry-run system-deps \
+.PHONY: install train test test-jax-next lint bench bench-publish bench-accum docs dry-run system-deps \
         clean
 
 # The venv: pip brings uv, uv installs the package and its test extra (from uv's cache, in
@@ -144,6 +144,9 @@ bench-publish: $(STAMP_PKG)
 
 bench-accum: $(STAMP_PKG)   ## the core accumulation benchmark (figures in docs/design.md)
 	XLA_FLAGS="--xla_force_host_platform_device_count=8" $(PY) benchmarks/accumulation.py
+
+docs: $(STAMP_PKG)   ## the docs' generated tables from their JSON sources (seconds; tests/test_docs.py checks them)
+	$(PY) benchmarks/docs_tables.py
 
 dry-run: $(STAMP_PKG)   ## Fuji 3B on one emulated trn2.48xlarge (64 CPU devices)
 	$(VENV)/bin/trn-accum dry-run --config configs/fuji-3b-trn2.toml --devices 64

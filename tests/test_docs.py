@@ -9,9 +9,7 @@ table, docs/performance.md's error counts, docs/benchmarks.md's section)."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
-import statistics
 import sys
 from pathlib import Path
 
@@ -23,7 +21,6 @@ README_LIMIT = 12_000  # bytes: a README a new user reads in five minutes
 DOCS_LIMIT = 100_000  # bytes of docs/*.md: a manual, not a lab notebook
 PERFORMANCE_LIMIT = 15_000  # docs/performance.md: what runs how fast, on what, measured how
 DIARY = re.compile(r"issue [0-9]+|[0-9]{4}-[0-9]{2}-[0-9]{2}|this stop")
-CALIBRATION = json.loads((REPO / "benchmarks" / "calibration.json").read_text())["rows"]
 NOT_RUN = "<!-- not run -->"
 FENCE = re.compile(r"^\s*```\s*([\w+-]*)\s*$")
 INLINE_LINK = re.compile(r"\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
@@ -162,48 +159,46 @@ def test_no_page_reads_as_a_diary():
     assert not found, "\n".join(found)
 
 
-def test_calibration_table_is_the_json_table():
-    """docs/calibration.md's table lists every row of benchmarks/calibration.json with its
-    role, measurement, prediction and error as the JSON has them (TPU rows first)."""
-    doc = (REPO / "docs" / "calibration.md").read_text()
-    head = "| row | platform | role | measured s | predicted s | error |"
-    lines = doc[doc.index(head) :].split("\n\n", 1)[0].strip().splitlines()[2:]
-    order = [r for r in CALIBRATION if r["platform"] == "tpu-v5e"]
-    order += [r for r in CALIBRATION if r["platform"] != "tpu-v5e"]
-    want = [
-        f"| `{r['name']}` | {r['platform']} | {r['role']} | {r['measured_s']:g} | "
-        f"{r['predicted_s']:g} | {r['error_pct']:+.1f} % |"
-        for r in order
-    ]
-    assert lines == want
-
-
-def test_performance_error_counts_are_the_jsons():
-    """Each row of docs/performance.md's "How far to trust it" table (count, median |error|,
-    rows within 15 %) is what benchmarks/calibration.json gives for its rows."""
-    doc = (REPO / "docs" / "performance.md").read_text()
-    groups = {
-        ("TPU v5e", "predicted"): lambda r: r["platform"] == "tpu-v5e" and r["role"] == "predicted",
-        ("TPU v5e", "fitted"): lambda r: r["platform"] == "tpu-v5e" and r["role"] == "fitted",
-        ("Llama-2 7B", "predicted"): lambda r: r["name"] == "trn2-axlearn-llama2-7b",
-        ("Llama-2 70B", "fitted"): lambda r: r["name"] == "trn2-axlearn-llama2-70b",
-        ("Llama-3.1-8B", "predicted"): lambda r: r["name"] == "trn1-nxdt-llama31-8b",
-    }
-    for (what, role), pick in groups.items():
-        errors = [abs(r["error_pct"]) for r in CALIBRATION if pick(r) and r["role"] == role]
-        row = next(ln for ln in doc.splitlines() if what in ln and f"| {role}" in ln)
-        cells = [c.strip() for c in row.strip("|").split("|")]
-        want = [str(len(errors)), f"{statistics.median(errors):.1f} %"]
-        want.append(str(sum(e <= 15 for e in errors)))
-        assert cells[2:] == want, (row, want)
-
-
-def test_benchmarks_page_is_the_committed_report():
-    """docs/benchmarks.md's bench section is what benchmarks/report_md.py renders from the
-    committed benchmarks/report.json (`make bench-publish` writes both)."""
+def _docs_tables():
     sys.path.insert(0, str(REPO / "benchmarks"))
-    import report_md
+    import docs_tables  # benchmarks/docs_tables.py: what `make docs` writes
 
-    report = json.loads((REPO / "benchmarks" / "report.json").read_text(encoding="utf-8"))
-    page = (REPO / "docs" / "benchmarks.md").read_text(encoding="utf-8")
-    assert report_md.page_section(page) == report_md.section(report)
+    return docs_tables
+
+
+@pytest.mark.parametrize("page", ["calibration.md", "performance.md", "benchmarks.md"])
+def test_generated_tables_are_what_make_docs_writes(page):
+    """docs/calibration.md's table (benchmarks/calibration.json's rows), performance.md's error
+    counts (the same rows) and benchmarks.md's bench section (benchmarks/report.json): each page
+    is what `make docs` renders from the sources now."""
+    path = REPO / "docs" / page
+    assert path.read_text(encoding="utf-8") == _docs_tables().rendered()[path], (
+        f"docs/{page} is stale: run `make docs`"
+    )
+
+
+def test_make_docs_rewrites_stale_figures_from_the_rows():
+    """A stale table gives way to the rows (TPU v5e first, every row once, the prose around it
+    kept); a group's count, median |error| and rows within 15 % are recomputed."""
+    dt = _docs_tables()
+
+    def row(name, platform, measured_s, predicted_s, error_pct):
+        return {
+            "name": name,
+            "platform": platform,
+            "role": "predicted",
+            "measured_s": measured_s,
+            "predicted_s": predicted_s,
+            "error_pct": error_pct,
+        }
+
+    rows = [row("b", "trn2", 2.0, 2.5, 25.0), row("a", "tpu-v5e", 1.0, 1.1, 10.0)]
+    rows.append(row("c", "tpu-v5e", 1.0, 0.8, -20.0))
+    stale = "| `old` | tpu-v5e | fitted | 9 | 9 | +0.0 % |"
+    page = f"intro\n\n{dt.TABLE_HEAD}\n|---|\n{stale}\n\nafter\n"
+    got = dt.calibration_page(page, rows)
+    assert got.startswith("intro\n\n") and got.endswith("\n\nafter\n")
+    assert [ln.split("`")[1] for ln in got.splitlines() if ln.startswith("| `")] == ["a", "c", "b"]
+    assert "| `a` | tpu-v5e | predicted | 1 | 1.1 | +10.0 % |" in got
+    cells = dt.group_cells(rows, "predicted", lambda r: r["platform"] == "tpu-v5e")
+    assert cells == ["2", "15.0 %", "1"]
