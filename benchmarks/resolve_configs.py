@@ -31,19 +31,11 @@ import shlex
 import subprocess
 import sys
 
+from trn_accum.config.auto import AUTO_KEYS
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TABLE = ROOT / "benchmarks" / "resolutions.json"
-AUTO_SETS = [
-    f"{key}=auto"
-    for key in (
-        "trainer.accum_steps",
-        "trainer.reduce",
-        "model.remat",
-        "model.attention",
-        "model.attention_block",
-        "model.loss_chunk",
-    )
-]
+AUTO_SETS = [f"{key}=auto" for key in AUTO_KEYS]
 # name -> (config, overrides, dry-run flags beside --config/--set)
 RECORDS = {
     "fuji-3b-trn2": ("configs/fuji-3b-trn2.toml", AUTO_SETS, ["--devices", "64"]),

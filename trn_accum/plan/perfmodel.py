@@ -22,7 +22,7 @@ own program's peak live bytes at full depth (`compiled_fits`). A `Programs` cach
 search (`trn_accum.plan.search.explore`), keeps one compile per program across its candidates
 and its scale table.
 
-`trn_accum.plan.perfmodel_cli.run_in_subprocess` runs the search in a fresh process with enough
+`trn_accum.plan.perfmodel_cli.start_in_subprocess` runs the search in a fresh process with enough
 emulated devices: the dry-run's own process has the devices of one node only.
 """
 

@@ -1,8 +1,7 @@
 """`explore` of a config in its own process (`python -m trn_accum.plan.perfmodel_cli`, JSON on
 stdout), with as many emulated CPU devices as its nodes need: the dry-run's own process has the
 devices of one node only. `start_in_subprocess` starts it (the dry-run compiles its own step
-meanwhile) and returns what waits for its report, a failure as one line; `run_in_subprocess`
-does both.
+meanwhile) and returns what waits for its report, a failure as one line.
 """
 
 from __future__ import annotations
@@ -41,31 +40,6 @@ def pricing_env(devices: int) -> dict[str, str]:
     return env
 
 
-def run_in_subprocess(
-    config_path: str,
-    overrides: Sequence[str],
-    nodes: int,
-    meshes: Sequence[str] | None = None,
-    *,
-    platform_name: str = platforms.DEFAULT,
-    devices_per_node: int | None = None,
-    search: bool = True,
-) -> dict[str, Any]:
-    """`explore` of the config on `platform_name` (nodes of `devices_per_node` devices,
-    default the platform's) in a fresh process with enough emulated CPU devices; candidates
-    on the `meshes` named (of `recommend.MESHES`; None = all). `search=False`: the config
-    alone (`search.price_config`)."""
-    return start_in_subprocess(
-        config_path,
-        overrides,
-        nodes,
-        meshes,
-        platform_name=platform_name,
-        devices_per_node=devices_per_node,
-        search=search,
-    ).result()
-
-
 class Pending:
     """A started `python -m trn_accum.plan.perfmodel_cli`: `result()` waits for its report
     (StepTimeError: why it has none, one line); `cancel()` ends it unread."""
@@ -99,7 +73,10 @@ def start_in_subprocess(
     devices_per_node: int | None = None,
     search: bool = True,
 ) -> Pending:
-    """`run_in_subprocess`'s process, started: its `Pending`."""
+    """`explore` of the config on `platform_name` (nodes of `devices_per_node` devices,
+    default the platform's) in a fresh process with enough emulated CPU devices, started: its
+    `Pending`. Candidates on the `meshes` named (of `recommend.MESHES`; None = all);
+    `search=False`: the config alone (`search.price_config`)."""
     plat = platforms.get(platform_name)
     per_node = plat.devices_per_node if devices_per_node is None else devices_per_node
     n = per_node * EMULATE_NODES  # the scale table prices the pick on up to EMULATE_NODES
