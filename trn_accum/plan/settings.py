@@ -150,12 +150,16 @@ class Search:
         shape = resolve_axes(self.cfg.mesh.axes(), self.layout.devices_per_node * self.target.nodes)
         return shape.get("data", 1)
 
+    def program(self, values: dict[str, Any]) -> tuple[dict[str, Any], rec.Candidate]:
+        """(the settings, the candidate) of the program these settings build here."""
+        if values["trainer.reduce"] == "once" and self.data_axis == 1:
+            values = {**values, "trainer.reduce": "per_minibatch"}  # the same program
+        return values, dataclasses.replace(_cand(values), nodes=self.target.nodes)
+
     def price(self, values: dict[str, Any]) -> dict | None:
         """The row of the candidate with these settings (priced once), None where it cannot be
         built (a block the sequence does not take, a k the batch does not split into)."""
-        if values["trainer.reduce"] == "once" and self.data_axis == 1:
-            values = {**values, "trainer.reduce": "per_minibatch"}  # the same program
-        cand = dataclasses.replace(_cand(values), nodes=self.target.nodes)
+        values, cand = self.program(values)
         if cand in self.seen:
             return self.seen[cand]
         c = with_settings(self.cfg, values)
@@ -181,8 +185,10 @@ class Search:
     def announce(self, stage: str, todo: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """`todo`, after one line saying how many of them are new and, at the mean time of
         the candidates priced so far, about how long they take."""
-        new = {_cand(v): v for v in todo}  # one each, in order
-        n = sum(dataclasses.replace(c, nodes=self.target.nodes) not in self.seen for c in new)
+        new: dict[rec.Candidate, dict[str, Any]] = {}
+        for values in todo:  # one each, in order
+            new.setdefault(self.program(values)[1], values)
+        n = sum(c not in self.seen for c in new)
         took = [r["seconds"] for r in self.rows]
         eta = f", about {n * sum(took) / len(took):.0f} s" if took else ""
         if n:
