@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from collections.abc import Sequence
 from typing import Any
 
@@ -45,12 +46,16 @@ class Pending:
     (StepTimeError: why it has none, one line); `cancel()` ends it unread."""
 
     def __init__(self, cmd: list[str], env: dict[str, str]):
+        self.err = tempfile.TemporaryFile("w+")  # a file, not a pipe: never full while unread
         self.proc = subprocess.Popen(
-            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            cmd, env=env, stdout=subprocess.PIPE, stderr=self.err, text=True
         )
 
     def result(self) -> dict[str, Any]:
-        out, err = self.proc.communicate()
+        out, _ = self.proc.communicate()
+        with self.err:
+            self.err.seek(0)
+            err = self.err.read()
         if self.proc.returncode:
             lines = [ln for ln in err.splitlines() if ln.strip()]
             last = lines[-1] if lines else f"exit {self.proc.returncode}"
@@ -61,6 +66,7 @@ class Pending:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.communicate()
+        self.err.close()
 
 
 def start_in_subprocess(
