@@ -123,7 +123,7 @@ def add_parsers(sub) -> None:
         "--search",
         action="store_true",
         help="also price candidate meshes, k and reduce beside the config, recommend one and "
-        "print the weak-scaling table (minutes: 663 s for the 3B config on 2 cores)",
+        "print the weak-scaling table (minutes: 686 s for the 3B config on 2 cores)",
     )
     d.add_argument(
         "--step-time-meshes",
