@@ -39,9 +39,7 @@ import json
 import os
 import shlex
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -49,9 +47,9 @@ from types import SimpleNamespace
 # XLA:CPU can deadlock emulated devices' collectives: the concurrency-optimized scheduler orders
 # them differently per device, and its thread pool (a thread a core unless PJRT_NPROC, read when
 # the backend starts, says more) runs dry while collectives ready at once block it (the full batch
-# step here, 2 cores: 8 runs of 10 hung; 16 threads: 0 of 6). After JAX (report.py): a child.
+# step here, 2 cores: 8 runs of 10 hung; 16 threads: 0 of 6). Set here for this script; a
+# process that starts JAX first (report.py) has it from its caller (the Makefile's bench lines).
 _FLAGS = os.environ.get("XLA_FLAGS", "")
-_POOL = "PJRT_NPROC" in os.environ or "jax" not in sys.modules  # PJRT_NPROC takes effect
 _CPU = os.environ.get("JAX_PLATFORMS", "").startswith("cpu") or "device_count" in _FLAGS
 if _CPU and "concurrency_optimized" not in _FLAGS:
     os.environ["XLA_FLAGS"] = f"{_FLAGS} --xla_cpu_enable_concurrency_optimized_scheduler=false"
@@ -293,8 +291,6 @@ def run(root, *, rounds=7, log=print, config=None, overrides=(), methods=None) -
     if config is None:
         config, overrides = DEFAULT_CONFIG, (*DEFAULT_SET, *overrides)
     path = (root / config).resolve()
-    if not _POOL and jax.default_backend() == "cpu" and jax.device_count() > 1:
-        return _child(rounds, str(path), overrides, methods)
     shown = str(path.relative_to(root)) if path.is_relative_to(root) else str(path)
     s = _setup(path, overrides)
     methods = [n for n in METHODS if methods is None or n in methods]
@@ -327,17 +323,6 @@ def run(root, *, rounds=7, log=print, config=None, overrides=(), methods=None) -
     )
     result.update(jax=jax.__version__, device_kind=jax.devices()[0].device_kind)
     return {**result, "command": shlex.join(sys.argv)}
-
-
-def _child(rounds, config, overrides, methods) -> dict:
-    """The table from a child process that sizes XLA:CPU's thread pool (see the top)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, __file__, "--config", config, "--json", f"{tmp}/p.json"]
-        cmd += ["--rounds", str(rounds), *(a for o in overrides for a in ("--set", o))]
-        cmd += ["--methods", *methods] if methods else []
-        env = {**os.environ, "PJRT_NPROC": "16"}
-        subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, check=True)
-        return {**json.loads(Path(tmp, "p.json").read_text()), "command": shlex.join(sys.argv)}
 
 
 def markdown(peers: dict) -> str:
